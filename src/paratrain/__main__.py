@@ -1,0 +1,3 @@
+from paratrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The `paratrain` command: parse arguments, build a config, call one function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from paratrain.commands import COMMAND_MODULES
+from paratrain.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see: {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from paratrain import __version__
+
+    parser = _Parser(
+        prog="paratrain",
+        description="Train PyTorch models on any device layout with the same code.",
+    )
+    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"paratrain.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; user errors become one line on stderr and exit code 2."""
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.handler(args))
+    except UserError as exc:
+        print(f"paratrain: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("paratrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""`paratrain recipes`: the built-in recipes, from the registry."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from paratrain.recipes import DEFAULT_RECIPE, get_recipe, recipe_names
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("recipes", help="list the built-in recipes")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in recipe_names():
+        recipe = get_recipe(name)
+        default = " (default)" if name == DEFAULT_RECIPE else ""
+        print(f"{name}{default}: {recipe.description}")
+        print(f"    epochs {recipe.epochs}, batch size {recipe.batch_size}, lr {recipe.lr}")
+    return 0

@@ -1,0 +1,85 @@
+"""The training configuration: a plain dataclass, checked before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from paratrain.errors import UserError
+from paratrain.precision import normalize_precision
+from paratrain.recipes import DEFAULT_RECIPE, get_recipe
+from paratrain.runtime import RuntimeConfig
+from paratrain.strategies import build_strategy
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = DEFAULT_RECIPE
+    strategy: str = "auto"
+    devices: str | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    out: str | None = None
+    overwrite: bool = False
+    data_dir: str | None = None
+    synthetic: int | None = None
+    precision: str = "32"
+    accumulate: int = 1
+    sync_batchnorm: bool = False
+    cifar_stem: bool = False
+    max_steps: int | None = None
+    progress: bool = True
+
+    def resolved(self) -> TrainConfig:
+        """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
+
+        Builds the strategy once to check strategy, devices and batch arithmetic here,
+        before any process or process group exists.
+        """
+        recipe = get_recipe(self.recipe)
+        cfg = dataclasses.replace(
+            self,
+            epochs=recipe.epochs if self.epochs is None else self.epochs,
+            batch_size=recipe.batch_size if self.batch_size is None else self.batch_size,
+            lr=recipe.lr if self.lr is None else self.lr,
+            precision=normalize_precision(self.precision),
+        )
+        _positive("--epochs", cfg.epochs)
+        _positive("--batch-size", cfg.batch_size)
+        _positive("--accumulate", cfg.accumulate)
+        if cfg.max_steps is not None:
+            _positive("--max-steps", cfg.max_steps)
+        if cfg.synthetic is not None:
+            _positive("--synthetic", cfg.synthetic)
+        if cfg.lr is None or not cfg.lr > 0:
+            raise UserError(f"--lr must be a positive number, got {cfg.lr}")
+        recipe.check_data_options(cfg.data_dir, cfg.synthetic)
+        strategy = build_strategy(cfg.strategy, cfg.devices)
+        assert cfg.batch_size is not None
+        if cfg.batch_size < len(strategy.devices):
+            raise UserError(
+                f"--batch-size {cfg.batch_size} is smaller than the number of devices "
+                f"({len(strategy.devices)}); every device needs at least one sample"
+            )
+        return cfg
+
+    def runtime_config(self) -> RuntimeConfig:
+        return RuntimeConfig(
+            strategy=self.strategy,
+            devices=self.devices,
+            precision=self.precision,
+            seed=self.seed,
+            accumulate=self.accumulate,
+            sync_batchnorm=self.sync_batchnorm,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(flag: str, value: int | None) -> None:
+    if value is None or value < 1:
+        raise UserError(f"{flag} must be at least 1, got {value}")

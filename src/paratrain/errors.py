@@ -1,0 +1,15 @@
+"""Errors that mean "the user asked for something we cannot do".
+
+The CLI turns a :class:`UserError` into one line on stderr and exit code 2, never a
+traceback. Library users can catch it like any ``ValueError``.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input: the message says what was wrong and what to do instead."""
+
+
+class PlacementError(UserError):
+    """A batch or tensor that the runtime cannot put on the strategy's device."""

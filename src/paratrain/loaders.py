@@ -1,0 +1,219 @@
+"""Data loaders that give every layout the same global batches.
+
+Every strategy cuts the data the same way: one seeded permutation per epoch, cut into
+global batches of the loader's ``batch_size``, each split into as many near-equal parts as
+there are processes. Process ``r`` takes part ``r``. One process and four processes
+therefore see the same global batches, which is what lets every layout compute the same
+model. The epoch is advanced on every ``iter()``, so ``set_epoch`` cannot be forgotten.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from paratrain.errors import UserError
+from paratrain.placement import move_to_device
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Global batches in a seeded order; yields this process's part of each.
+
+    ``evaluation=True`` never pads nor drops: every sample is seen exactly once across
+    processes (a process whose part of the last batch is empty skips it). For training, a
+    last global batch smaller than the number of processes is dropped, since some process
+    would get no sample to compute a loss on.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+        evaluation: bool = False,
+    ) -> None:
+        if batch_size < world_size and not evaluation:
+            raise UserError(
+                f"batch size {batch_size} is smaller than the number of processes "
+                f"({world_size}); use a batch size of at least {world_size}"
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.evaluation = evaluation
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Choose the epoch's order; ``start_batch`` skips batches already trained on."""
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def global_batch_sizes(self) -> list[int]:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        sizes = [self.batch_size] * full
+        if rest and not self.drop_last and (self.evaluation or rest >= self.world_size):
+            sizes.append(rest)
+        return sizes
+
+    def local_size(self, global_size: int) -> int:
+        """How many samples of a global batch this process gets (tensor_split sizes)."""
+        base, extra = divmod(global_size, self.world_size)
+        return base + (1 if self.rank < extra else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        position = 0
+        for index, size in enumerate(self.global_batch_sizes()):
+            batch = order[position : position + size]
+            position += size
+            if index < self.start_batch:
+                continue
+            part = torch.tensor_split(batch, self.world_size)[self.rank]
+            if len(part):
+                yield part.tolist()
+
+    def __len__(self) -> int:
+        sizes = self.global_batch_sizes()[self.start_batch :]
+        return sum(1 for size in sizes if self.local_size(size) > 0)
+
+
+class DeviceLoader:
+    """Wraps a DataLoader: same global batches on every layout, delivered on the device."""
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        device: torch.device,
+        batch_sampler: ShardedBatchSampler | None,
+        loss_weight_sink: Any = None,
+    ) -> None:
+        self.loader = loader
+        self.device = device
+        self.batch_sampler = batch_sampler
+        self._sink = loss_weight_sink
+        self._next_epoch = 0
+        self._epoch_set_by_user = False
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def epoch(self) -> int:
+        return self.batch_sampler.epoch if self.batch_sampler else self._next_epoch - 1
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Pin the next iteration to ``epoch`` (resume); otherwise epochs advance by one."""
+        self._next_epoch = epoch
+        if self.batch_sampler is not None:
+            self.batch_sampler.set_epoch(epoch, start_batch)
+            self._epoch_set_by_user = True
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _loss_weights(self) -> list[float] | None:
+        """Per-batch weights that make the mean of the processes' losses the global mean."""
+        sampler = self.batch_sampler
+        if sampler is None or sampler.world_size == 1 or self._sink is None:
+            return None
+        sizes = sampler.global_batch_sizes()[sampler.start_batch :]
+        return [sampler.local_size(s) * sampler.world_size / s for s in sizes]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.batch_sampler is not None:
+            if not self._epoch_set_by_user:
+                self.batch_sampler.set_epoch(self._next_epoch)
+            self._next_epoch = self.batch_sampler.epoch + 1
+        else:
+            self._next_epoch += 1
+        self._epoch_set_by_user = False
+        sink = self._sink
+        if sink is None:
+            for batch in self.loader:
+                yield move_to_device(batch, self.device)
+            return
+        weights = self._loss_weights()
+        last = len(self.loader) - 1
+        for index, batch in enumerate(self.loader):
+            if weights is not None:
+                sink.loss_weight = weights[index]
+            sink.at_last_batch = index == last
+            yield move_to_device(batch, self.device)
+        sink.loss_weight = 1.0
+        sink.at_last_batch = False
+
+
+def shard_loader(
+    loader: DataLoader[Any],
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    evaluation: bool,
+    pin_memory: bool,
+) -> tuple[DataLoader[Any], ShardedBatchSampler | None]:
+    """Rebuild ``loader`` around a :class:`ShardedBatchSampler` (same settings otherwise)."""
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        if world_size > 1:
+            raise UserError(
+                "several processes need a map-style dataset and a loader with batch_size; "
+                "an IterableDataset or a custom batch_sampler cannot be split across processes"
+            )
+        return loader, None
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        if world_size > 1:
+            raise UserError(
+                f"the loader's sampler {type(loader.sampler).__name__} cannot be split across "
+                "processes; build the DataLoader with shuffle=True or shuffle=False instead"
+            )
+        return loader, None
+    if not isinstance(loader.dataset, Sized):
+        return loader, None
+    if isinstance(loader.sampler, RandomSampler) and loader.sampler.replacement:
+        warnings.warn("sampling with replacement is replaced by a shuffle", stacklevel=3)
+    sampler = ShardedBatchSampler(
+        len(loader.dataset),
+        loader.batch_size,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        drop_last=loader.drop_last,
+        evaluation=evaluation,
+    )
+    rebuilt = DataLoader(
+        loader.dataset,
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=pin_memory or loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+    )
+    return rebuilt, sampler

@@ -1,0 +1,155 @@
+"""The training loop behind `paratrain train`, written only against the Runtime."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paratrain import rundir
+from paratrain.config import TrainConfig
+from paratrain.loaders import DeviceLoader
+from paratrain.progress import TrainProgress
+from paratrain.recipes import get_recipe
+from paratrain.runtime import Runtime
+from paratrain.weights import save_weights, unwrap_model
+
+
+@dataclass
+class Summary:
+    epochs: int
+    steps: int
+    seconds: float
+    train_loss: float
+    eval_loss: float
+    eval_accuracy: float | None
+    samples_per_second: float
+
+    def line(self, directory: Path | None) -> str:
+        accuracy = "" if self.eval_accuracy is None else f", test accuracy {self.eval_accuracy:.2%}"
+        where = "" if directory is None else f"; saved to {directory}"
+        return (
+            f"trained {self.epochs} epoch(s), {self.steps} steps in {self.seconds:.1f}s "
+            f"({self.samples_per_second:,.0f} samples/s): train loss {self.train_loss:.4f}, "
+            f"test loss {self.eval_loss:.4f}{accuracy}{where}"
+        )
+
+
+def evaluate(
+    rt: Runtime, model: nn.Module, loader: DeviceLoader, loss_fn: nn.Module, classify: bool
+) -> tuple[float, float | None]:
+    """Loss and accuracy over the whole test set, each sample counted exactly once."""
+    inner = unwrap_model(model)
+    was_training = inner.training
+    inner.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
+    with torch.no_grad(), rt.autocast():
+        for x, y in loader:
+            output = inner(x).float()
+            totals[0] += loss_fn(output, y).double() * len(y)
+            if classify:
+                totals[1] += (output.argmax(dim=1) == y).sum()
+            totals[2] += len(y)
+    inner.train(was_training)
+    totals = rt.all_reduce(totals, "sum").cpu()
+    count = max(totals[2].item(), 1.0)
+    return totals[0].item() / count, (totals[1].item() / count if classify else None)
+
+
+def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
+    """Train ``cfg.recipe`` with ``rt``; the main process writes ``directory``'s files."""
+    recipe = get_recipe(cfg.recipe)
+    assert cfg.epochs is not None and cfg.batch_size is not None
+    train_set, test_set = recipe.build_data(cfg)
+    model = recipe.build_model(cfg)
+    optimizer = recipe.build_optimizer(model.parameters(), cfg)
+    plain_loss = recipe.build_loss()
+    model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss)
+    train_loader = rt.setup_loader(
+        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=recipe.drop_last)
+    )
+    test_loader = rt.setup_loader(
+        DataLoader(test_set, batch_size=cfg.batch_size, shuffle=False), evaluation=True
+    )
+    writer = rundir.MetricsWriter(directory / rundir.METRICS) if directory and rt.is_main else None
+    if writer is not None and directory is not None:
+        rundir.write_config(directory, _config_payload(rt, cfg, "running"))
+
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.accumulate)
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    step, samples, start = 0, 0, time.perf_counter()
+    train_loss = eval_loss = math.nan
+    accuracy: float | None = None
+    epoch = 0
+    with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
+        for epoch in range(cfg.epochs):
+            model.train()
+            loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+            count = 0
+            for x, y in train_loader:
+                with rt.accumulate(model):
+                    loss = loss_fn(model(x), y)
+                    rt.backward(loss)
+                applied = rt.sync_gradients
+                optimizer.step()
+                optimizer.zero_grad()
+                loss_sum += loss.detach().double() * len(y)
+                count += len(y)
+                step += applied
+                if bar.due():
+                    bar.update(step, epoch, loss.item(), (samples + count) * rt.world_size)
+                if step >= total:
+                    break
+            samples += count * rt.world_size
+            totals = rt.all_reduce(
+                torch.stack([loss_sum, torch.tensor(float(count), device=rt.device).double()]),
+                "sum",
+            ).cpu()
+            train_loss = totals[0].item() / max(totals[1].item(), 1.0)
+            eval_loss, accuracy = evaluate(
+                rt, model, test_loader, plain_loss, recipe.classification
+            )
+            bar.update(step, epoch, train_loss, samples)
+            if writer is not None:
+                writer.write(_record(epoch, step, "train", train_loss, None))
+                writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
+            if step >= total:
+                break
+    seconds = time.perf_counter() - start
+    summary = Summary(
+        epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
+    )
+    if writer is not None and directory is not None:
+        writer.close()
+        save_weights(model, directory / rundir.WEIGHTS)
+        payload = _config_payload(rt, cfg, "finished")
+        payload["summary"] = summary.__dict__
+        rundir.write_config(directory, payload)
+    rt.barrier()
+    return summary
+
+
+def _record(
+    epoch: int, step: int, split: str, loss: float, accuracy: float | None
+) -> dict[str, Any]:
+    record: dict[str, Any] = {"epoch": epoch, "step": step, "split": split, "loss": loss}
+    if accuracy is not None:
+        record["accuracy"] = accuracy
+    return record
+
+
+def _config_payload(rt: Runtime, cfg: TrainConfig, status: str) -> dict[str, Any]:
+    return {
+        "status": status,
+        "config": cfg.to_dict(),
+        "runtime": rt.describe(),
+        "versions": rundir.versions(),
+    }

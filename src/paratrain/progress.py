@@ -1,0 +1,71 @@
+"""A progress bar with loss and throughput, shown by the main process only."""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+
+class TrainProgress:
+    """Updated at most a few times a second, so it never slows the loop down."""
+
+    def __init__(self, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Progress | None = None
+        self._task = TaskID(0)
+        self._total = total_steps
+        self._last_refresh = 0.0
+        self._start = time.perf_counter()
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[speed]} samples/s"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+
+    def __enter__(self) -> TrainProgress:
+        if self._progress is not None:
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self._total, loss="-", speed="-")
+        return self
+
+    def due(self) -> bool:
+        """Whether an update would be shown now (callers skip reading the loss otherwise)."""
+        return self.enabled and time.perf_counter() - self._last_refresh > 0.25
+
+    def update(self, step: int, epoch: int, loss: float | None, samples: int) -> None:
+        if self._progress is None:
+            return
+        self._last_refresh = now = time.perf_counter()
+        speed = samples / max(now - self._start, 1e-9)
+        self._progress.update(
+            self._task,
+            completed=step,
+            description=f"epoch {epoch}",
+            loss="-" if loss is None else f"{loss:.4f}",
+            speed=f"{speed:,.0f}",
+        )
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()

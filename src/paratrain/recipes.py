@@ -1,0 +1,172 @@
+"""Built-in recipes: a model, its data, its optimizer and sensible defaults, by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from paratrain.errors import UserError
+
+if TYPE_CHECKING:
+    from paratrain.config import TrainConfig
+
+Params = Iterator[nn.Parameter]
+Datasets = tuple[Dataset[Any], Dataset[Any]]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    epochs: int
+    batch_size: int
+    lr: float
+    build_model: Callable[[TrainConfig], nn.Module]
+    build_data: Callable[[TrainConfig], Datasets]
+    build_optimizer: Callable[[Params, TrainConfig], torch.optim.Optimizer]
+    build_loss: Callable[[], nn.Module]
+    classification: bool = True
+    drop_last: bool = False
+    uses_data_dir: bool = False
+
+    def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None:
+        if not self.uses_data_dir and (data_dir is not None or synthetic is not None):
+            raise UserError(
+                f"recipe {self.name} uses its own data; --data-dir and --synthetic are for "
+                "cifar10-resnet18"
+            )
+        if self.uses_data_dir and data_dir is None and synthetic is None:
+            raise UserError(
+                f"recipe {self.name} needs data: --data-dir DIR with the CIFAR-10 python "
+                "batches, or --synthetic N for N random images"
+            )
+        if data_dir is not None and synthetic is not None:
+            raise UserError("choose one of --data-dir and --synthetic")
+
+
+_RECIPES: dict[str, Recipe] = {}
+DEFAULT_RECIPE = "digits"
+
+
+def register_recipe(recipe: Recipe) -> Recipe:
+    _RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def recipe_names() -> list[str]:
+    return list(_RECIPES)
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return _RECIPES[name]
+    except KeyError:
+        valid = ", ".join(_RECIPES)
+        raise UserError(f"unknown recipe {name!r}; valid recipes: {valid}") from None
+
+
+# -- digits ------------------------------------------------------------------------------------
+def _digits_model(cfg: TrainConfig) -> nn.Module:
+    from paratrain.models import DigitsCNN
+
+    return DigitsCNN()
+
+
+def _digits_data(cfg: TrainConfig) -> Datasets:
+    from paratrain.data.digits import load_digits_split
+
+    return load_digits_split()
+
+
+def _sgd_momentum(params: Params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    assert cfg.lr is not None
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+
+
+register_recipe(
+    Recipe(
+        name="digits",
+        description="handwritten digits (1,797 8x8 images, shipped), small CNN, SGD",
+        epochs=10,
+        batch_size=32,
+        lr=0.05,
+        build_model=_digits_model,
+        build_data=_digits_data,
+        build_optimizer=_sgd_momentum,
+        build_loss=nn.CrossEntropyLoss,
+    )
+)
+
+
+# -- linear (seed 000) ------------------------------------------------------------------------
+def _linear_data(cfg: TrainConfig) -> Datasets:
+    # Fixed data (not the run's seed): runs with different seeds learn the same problem.
+    generator = torch.Generator().manual_seed(10)
+    x = torch.randn(1200, 10, generator=generator)
+    true_weight = torch.randn(10, 1, generator=generator)
+    y = x @ true_weight + 0.1 * torch.randn(1200, 1, generator=generator)
+    return TensorDataset(x[:1000], y[:1000]), TensorDataset(x[1000:], y[1000:])
+
+
+def _sgd(params: Params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    assert cfg.lr is not None
+    return torch.optim.SGD(params, lr=cfg.lr)
+
+
+register_recipe(
+    Recipe(
+        name="linear",
+        description="nn.Linear(10, 1), MSE, SGD lr 0.01 on seeded random data (seed 000)",
+        epochs=20,
+        batch_size=10,
+        lr=0.01,
+        build_model=lambda cfg: nn.Linear(10, 1),
+        build_data=_linear_data,
+        build_optimizer=_sgd,
+        build_loss=nn.MSELoss,
+        classification=False,
+    )
+)
+
+
+# -- cifar10-resnet18 (seed 004) ------------------------------------------------------------
+def _resnet_model(cfg: TrainConfig) -> nn.Module:
+    from paratrain.models import resnet18
+
+    return resnet18(num_classes=10, cifar_stem=cfg.cifar_stem)
+
+
+def _cifar_data(cfg: TrainConfig) -> Datasets:
+    from paratrain.data.cifar import load_cifar10, synthetic_cifar10
+
+    if cfg.synthetic is not None:
+        return synthetic_cifar10(cfg.synthetic, seed=cfg.seed)
+    assert cfg.data_dir is not None
+    return load_cifar10(cfg.data_dir)
+
+
+def _sgd_resnet(params: Params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    assert cfg.lr is not None
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=5e-4)
+
+
+register_recipe(
+    Recipe(
+        name="cifar10-resnet18",
+        description="ResNet-18 on CIFAR-10 (--data-dir or --synthetic N), SGD (seed 004)",
+        epochs=3,
+        batch_size=256,
+        lr=0.01,
+        build_model=_resnet_model,
+        build_data=_cifar_data,
+        build_optimizer=_sgd_resnet,
+        build_loss=nn.CrossEntropyLoss,
+        drop_last=True,
+        uses_data_dir=True,
+    )
+)

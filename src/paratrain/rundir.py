@@ -1,0 +1,93 @@
+"""The output directory of a `paratrain train` run and its contract.
+
+metrics.jsonl      one JSON object per line: epoch, step, split, loss (+ accuracy)
+model.safetensors  final weights, plain parameter names
+config.json        resolved configuration, devices, versions, status and summary
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from paratrain.atomic import atomic_write_text
+from paratrain.errors import UserError
+
+METRICS = "metrics.jsonl"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+OWN_FILES = (METRICS, WEIGHTS, CONFIG)
+
+
+def default_out(recipe: str) -> Path:
+    return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def read_status(directory: Path) -> str | None:
+    """``finished``, ``running`` (started, not finished) or None (no run there)."""
+    config = directory / CONFIG
+    if config.is_file():
+        try:
+            return str(json.loads(config.read_text(encoding="utf-8")).get("status", "running"))
+        except (OSError, ValueError):
+            return "running"
+    if (directory / WEIGHTS).exists() or (directory / METRICS).exists():
+        return "running"
+    return None
+
+
+def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
+    """Check and create the run directory. Refuses, touching nothing, to reuse one that
+    already holds a run unless ``overwrite``; then only paratrain's own files go."""
+    directory = Path(out) if out is not None else default_out(recipe)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {directory} is a file, not a directory; choose another --out")
+    status = read_status(directory) if directory.is_dir() else None
+    if status is not None and not overwrite:
+        what = "a finished run" if status == "finished" else "an unfinished run"
+        raise UserError(
+            f"--out {directory} already holds {what}; pass --overwrite to replace it "
+            "or choose another --out"
+        )
+    if status is not None:
+        for name in OWN_FILES:
+            (directory / name).unlink(missing_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create --out {directory}: {exc.strerror}") from None
+    return directory
+
+
+def versions() -> dict[str, str]:
+    from paratrain import __version__
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "paratrain": __version__,
+        "cuda": str(torch.version.cuda),
+    }
+
+
+def write_config(directory: Path, payload: dict[str, Any]) -> None:
+    atomic_write_text(directory / CONFIG, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+class MetricsWriter:
+    """Appends one JSON line per record and flushes it, so a crash loses at most one line."""
+
+    def __init__(self, path: Path) -> None:
+        self._handle: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record, sort_keys=True) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()

@@ -1,0 +1,273 @@
+"""The facade users put in their own training loop.
+
+    rt = paratrain.Runtime(strategy="auto")
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.setup_loader(loader)
+    ...
+    rt.backward(loss)
+
+The runtime holds a :class:`~paratrain.strategies.Strategy` and a
+:class:`~paratrain.precision.Precision` and delegates to them; it never asks which strategy
+it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paratrain.errors import PlacementError, UserError
+from paratrain.loaders import DeviceLoader, shard_loader
+from paratrain.optim import RuntimeOptimizer, move_optimizer_state
+from paratrain.placement import check_inputs_on, move_to_device
+from paratrain.precision import Precision, normalize_precision
+from paratrain.seeding import seed_everything
+from paratrain.strategies import Strategy, build_strategy, strategy_names
+from paratrain.strategies.base import ReduceOp
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything needed to rebuild the same runtime in another process."""
+
+    strategy: str = "auto"
+    devices: str | None = None
+    precision: str = "32"
+    seed: int = 0
+    accumulate: int = 1
+    sync_batchnorm: bool = False
+
+    def validate(self) -> RuntimeConfig:
+        normalize_precision(self.precision)
+        if self.accumulate < 1:
+            raise UserError(f"accumulate must be at least 1, got {self.accumulate}")
+        if self.strategy not in strategy_names():
+            valid = ", ".join(strategy_names())
+            raise UserError(f"unknown strategy {self.strategy!r}; valid strategies: {valid}")
+        return self
+
+
+class Runtime:
+    """Places models, optimizers and batches for one strategy; runs the collectives."""
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        devices: str | int | None = None,
+        precision: str = "32",
+        seed: int = 0,
+        accumulate: int = 1,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        spec = None if devices is None else str(devices)
+        self.config = RuntimeConfig(
+            strategy, spec, normalize_precision(precision), seed, accumulate, sync_batchnorm
+        ).validate()
+        self.strategy: Strategy = build_strategy(strategy, spec)
+        self.precision = Precision(self.config.precision, self.strategy.root_device)
+        self.accumulate_steps = accumulate
+        self.seed = seed
+        self.sync_gradients = True
+        self.loss_weight = 1.0  # set per batch by sharded loaders (uneven last batches)
+        self.at_last_batch = False
+        self._micro_steps = 0
+        self._connected = False
+        seed_everything(seed)
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig) -> Runtime:
+        return cls(
+            config.strategy,
+            config.devices,
+            config.precision,
+            config.seed,
+            config.accumulate,
+            config.sync_batchnorm,
+        )
+
+    # -- where am I --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.collective.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.collective.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.collective.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _connect(self) -> None:
+        if not self._connected:
+            self.strategy.setup_process()
+            self._connected = True
+
+    # -- processes ---------------------------------------------------------------------------
+    def launch(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """Run ``fn(rt, *args)`` in as many processes as the strategy needs.
+
+        Returns ``fn``'s result from a one-process run, None after several processes.
+        """
+        from paratrain.launch import launch
+
+        return launch(self, fn, *args)
+
+    # -- placing things ----------------------------------------------------------------------
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> Any:
+        """Place ``model`` (and the optimizer's state) and wrap them for the strategy.
+
+        Returns what it was given, in the same order: ``model``, ``(model, optimizer)``,
+        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``.
+        """
+        self._connect()
+        if self.strategy.needs_loss_fn and loss_fn is None:
+            raise UserError(
+                f"strategy {self.strategy.name} computes the loss on every device: "
+                "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
+            )
+        if self.config.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(self.device)
+        wrapped = self.strategy.wrap_model(model)
+        wrapped = self._guard_forward(wrapped)
+        wrapped = self.precision.wrap_forward(wrapped)
+        result: list[Any] = [wrapped]
+        if optimizer is not None:
+            result.append(self._setup_optimizer(model, optimizer))
+        if loss_fn is not None:
+            result.append(self.strategy.wrap_loss(loss_fn))
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        model_params = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:
+            if any(id(p) not in model_params for p in group["params"]):
+                raise UserError(
+                    "the optimizer holds parameters that are not the model's; build it from "
+                    "model.parameters() of the model you pass to rt.setup"
+                )
+        move_optimizer_state(optimizer, self.device)
+        if self.precision.scaler is None and self.accumulate_steps == 1:
+            return optimizer
+        return RuntimeOptimizer(optimizer, self)  # type: ignore[return-value]
+
+    def _guard_forward(self, model: nn.Module) -> nn.Module:
+        """Turn PyTorch's device-mismatch error into one that says what to do."""
+        if len(self.strategy.devices) != 1:
+            return model  # DataParallel scatters inputs from any device itself
+        forward = model.forward
+        device = self.device
+
+        @functools.wraps(forward)
+        def guarded_forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return forward(*args, **kwargs)
+            except RuntimeError as exc:
+                if "device" in str(exc):
+                    check_inputs_on(device, args, kwargs)
+                raise
+
+        model.forward = guarded_forward
+        return model
+
+    def setup_loader(self, loader: DataLoader[Any], evaluation: bool = False) -> DeviceLoader:
+        """Deliver ``loader``'s batches on this process's device, sharded across processes.
+
+        Every layout sees the same global batches (the loader's ``batch_size`` is the global
+        batch). ``evaluation=True``: every sample exactly once over all processes, no padding.
+        """
+        self._connect()
+        rebuilt, sampler = shard_loader(
+            loader,
+            rank=self.rank,
+            world_size=self.strategy.data_shards,
+            seed=self.seed,
+            evaluation=evaluation,
+            pin_memory=self.device.type == "cuda",
+        )
+        return DeviceLoader(rebuilt, self.device, sampler, None if evaluation else self)
+
+    def to_device(self, obj: T) -> T:
+        """Move tensors (nested in tuples, lists, dicts) to this process's device."""
+        return move_to_device(obj, self.device)  # type: ignore[no-any-return,unused-ignore]
+
+    # -- the step ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the precision policy, scaled for accumulation."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise PlacementError("rt.backward expects a scalar loss tensor")
+        scale = self.loss_weight / self.accumulate_steps
+        self.precision.backward(loss * scale if scale != 1.0 else loss)
+        self._micro_steps += 1
+        self.sync_gradients = self._micro_steps >= self.accumulate_steps or self.at_last_batch
+
+    def _gradients_applied(self) -> None:
+        self._micro_steps = 0
+        self.sync_gradients = self.accumulate_steps == 1
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """Wrap forward and backward of one micro-batch: skips the gradient all-reduce on
+        every micro-step but the last of each group of ``accumulate``."""
+        last = (self._micro_steps + 1) >= self.accumulate_steps or self.at_last_batch
+        with contextlib.nullcontext() if last else self.strategy.no_sync(model):
+            yield
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast, for code outside the model's forward."""
+        return self.precision.autocast()
+
+    # -- collectives -------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        return self.strategy.collective.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.strategy.collective.all_gather(tensor)
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        return self.strategy.collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
+
+    def barrier(self) -> None:
+        self.strategy.collective.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def teardown(self) -> None:
+        self.strategy.teardown()
+        self._connected = False
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.strategy.describe(),
+            "precision": self.precision.name,
+            "world_size": self.world_size,
+            "accumulate": self.accumulate_steps,
+        }

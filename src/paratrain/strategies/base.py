@@ -1,0 +1,114 @@
+"""The strategy contract, and the collective object of a run that has one process.
+
+A strategy says how one process trains: which device is its own, how the model and the loss
+are wrapped, and how processes talk to each other (its :class:`Collective`). How processes
+are *started* lives in :mod:`paratrain.launch`, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+ReduceOp = str  # "sum" | "mean" | "max" | "min"
+
+
+class Collective:
+    """Collectives of a one-process run: every operation returns its input.
+
+    Being an object rather than an ``if distributed`` branch lets the loop call
+    ``all_reduce`` unconditionally (ignite's ``_SerialModel`` idea).
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+
+class Strategy(ABC):
+    """How one process trains. Subclasses register themselves by ``name``."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    #: the loss function must be handed to ``Runtime.setup`` (the balanced DataParallel).
+    needs_loss_fn: ClassVar[bool] = False
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        self.collective: Collective = Collective()
+
+    # -- chosen before any process exists ---------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def resolve_devices(cls, spec: str | None) -> list[torch.device]:
+        """Turn ``--devices`` into this strategy's devices, or raise ``UserError``."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this strategy cannot run on this machine, or None if it can."""
+        return None
+
+    @property
+    def num_processes(self) -> int:
+        """How many processes a run of this strategy needs (the launcher starts them)."""
+        return 1
+
+    # -- inside each process ----------------------------------------------------------------
+    def setup_process(self) -> None:  # noqa: B027  (optional hook)
+        """Join the process group, pick this process's device. Nothing for one process."""
+
+    @property
+    def root_device(self) -> torch.device:
+        """Where this process keeps the model and receives batches."""
+        return self.devices[0]
+
+    @property
+    def data_shards(self) -> int:
+        """Into how many parts the global batch is split across processes."""
+        return self.collective.world_size
+
+    @abstractmethod
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Wrap a model already moved to ``root_device``."""
+
+    def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return loss_fn
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Skip gradient synchronization (gradient accumulation's first micro-steps)."""
+        return contextlib.nullcontext()
+
+    def teardown(self) -> None:  # noqa: B027  (optional hook)
+        """Leave the process group; safe to call twice."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name, "devices": [str(d) for d in self.devices]}
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)

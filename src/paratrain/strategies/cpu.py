@@ -1,0 +1,13 @@
+"""Train on the CPU in one process."""
+
+from __future__ import annotations
+
+from paratrain.strategies.registry import register
+from paratrain.strategies.single import SingleDeviceStrategy
+
+
+@register
+class CPUStrategy(SingleDeviceStrategy):
+    name = "cpu"
+    description = "one process on the CPU"
+    device_type = "cpu"

@@ -1,0 +1,18 @@
+"""Train on Apple's Metal GPU (MPS) in one process."""
+
+from __future__ import annotations
+
+from paratrain.devices import mps_available
+from paratrain.strategies.registry import register
+from paratrain.strategies.single import SingleDeviceStrategy
+
+
+@register
+class MPSStrategy(SingleDeviceStrategy):
+    name = "mps"
+    description = "one process on an Apple GPU (MPS)"
+    device_type = "mps"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None if mps_available() else "this machine has no Apple MPS device"
