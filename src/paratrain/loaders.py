@@ -78,20 +78,24 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def local_size(self, global_size: int) -> int:
         """How many samples of a global batch this process gets (tensor_split sizes)."""
+        start, end = self.local_span(global_size)
+        return end - start
+
+    def local_span(self, global_size: int) -> tuple[int, int]:
+        """Where this process's part starts and ends inside a global batch."""
         base, extra = divmod(global_size, self.world_size)
-        return base + (1 if self.rank < extra else 0)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (1 if self.rank < extra else 0)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self._order()
+        order: list[int] = self._order().tolist()  # plain lists: slicing costs no tensor ops
         position = 0
         for index, size in enumerate(self.global_batch_sizes()):
-            batch = order[position : position + size]
+            if index >= self.start_batch:
+                start, end = self.local_span(size)
+                if end > start:
+                    yield order[position + start : position + end]
             position += size
-            if index < self.start_batch:
-                continue
-            part = torch.tensor_split(batch, self.world_size)[self.rank]
-            if len(part):
-                yield part.tolist()
 
     def __len__(self) -> int:
         sizes = self.global_batch_sizes()[self.start_batch :]

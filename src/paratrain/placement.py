@@ -28,6 +28,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
             ) from None
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to_device(item, device) for item in batch))
+    if type(batch) is tuple or type(batch) is list:  # the common (x, y) batch: no generator
+        return type(batch)([move_to_device(item, device) for item in batch])
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(item, device) for item in batch)
     if isinstance(batch, dict):

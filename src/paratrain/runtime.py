@@ -219,12 +219,13 @@ class Runtime:
     # -- the step ----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the precision policy, scaled for accumulation."""
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
         scale = self.loss_weight / self.accumulate_steps
         self.precision.backward(loss * scale if scale != 1.0 else loss)
-        self._micro_steps += 1
-        self.sync_gradients = self._micro_steps >= self.accumulate_steps or self.at_last_batch
+        if self.accumulate_steps > 1:
+            self._micro_steps += 1
+            self.sync_gradients = self._micro_steps >= self.accumulate_steps or self.at_last_batch
 
     def _gradients_applied(self) -> None:
         self._micro_steps = 0

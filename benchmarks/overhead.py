@@ -1,0 +1,176 @@
+"""What does the runtime cost per step? Plain PyTorch vs paratrain (vs Accelerate and
+Lightning Fabric when installed), same model and data on the CPU, interleaved rounds.
+
+    python benchmarks/overhead.py                 # pytorch and paratrain
+    pip install "paratrain[peers]"                # adds accelerate and fabric
+    python benchmarks/overhead.py --rounds 30
+
+Prints one line per contender: median step time, spread, and the ratio to plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+EpochFn = Callable[[], int]  # runs one epoch, returns the number of steps
+
+
+def make_parts(batch: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch * steps, 64)
+    y = torch.randint(0, 10, (batch * steps,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
+    return model, optimizer, loader
+
+
+def plain_pytorch(batch: int, steps: int) -> EpochFn:
+    model, optimizer, loader = make_parts(batch, steps)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch() -> int:
+        n = 0
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            n += 1
+        return n
+
+    return epoch
+
+
+def paratrain_runtime(batch: int, steps: int) -> EpochFn:
+    import paratrain
+
+    rt = paratrain.Runtime(strategy="cpu")
+    model, optimizer, loader = make_parts(batch, steps)
+    model, optimizer = rt.setup(model, optimizer)
+    device_loader = rt.setup_loader(loader)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch() -> int:
+        n = 0
+        for x, y in device_loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            rt.backward(loss)
+            optimizer.step()
+            n += 1
+        return n
+
+    return epoch
+
+
+def accelerate_loop(batch: int, steps: int) -> EpochFn:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, loader = make_parts(batch, steps)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch() -> int:
+        n = 0
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            n += 1
+        return n
+
+    return epoch
+
+
+def fabric_loop(batch: int, steps: int) -> EpochFn:
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, optimizer, loader = make_parts(batch, steps)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(loader)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch() -> int:
+        n = 0
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            n += 1
+        return n
+
+    return epoch
+
+
+CONTENDERS: dict[str, tuple[Callable[[int, int], EpochFn], str | None]] = {
+    "pytorch": (plain_pytorch, None),
+    "paratrain": (paratrain_runtime, None),
+    "accelerate": (accelerate_loop, "accelerate"),
+    "fabric": (fabric_loop, "lightning_fabric"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=50, help="steps per timed epoch")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved timed rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    epochs: dict[str, EpochFn] = {}
+    for name, (build, module) in CONTENDERS.items():
+        if module is not None and importlib.util.find_spec(module) is None:
+            print(
+                f"{name:>10}: skipped ({module} is not installed: pip install 'paratrain[peers]')"
+            )
+            continue
+        epochs[name] = build(args.batch, args.steps)
+    times: dict[str, list[float]] = {name: [] for name in epochs}
+    order = list(epochs)
+    for round_index in range(args.warmup + args.rounds):
+        random.shuffle(order)  # interleave: drift in machine speed hits every contender alike
+        for name in order:
+            gc.collect()
+            start = time.perf_counter()
+            steps = epochs[name]()
+            elapsed = time.perf_counter() - start
+            if round_index >= args.warmup:
+                times[name].append(elapsed / steps)
+
+    print(
+        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
+        f"torch {torch.__version__}, batch {args.batch}, {args.steps} steps x {args.rounds} rounds"
+    )
+    base = statistics.median(times["pytorch"])
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(
+            f"{name:>10}: median step {median * 1e6:8.1f} us "
+            f"(min {min(samples) * 1e6:.1f}, max {max(samples) * 1e6:.1f}), "
+            f"ratio {median / base:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

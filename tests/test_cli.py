@@ -1,0 +1,197 @@
+"""`paratrain` commands: outputs, the output contract, user errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain.cli import main
+from paratrain.data.cifar import write_fake_cifar_batches
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def train(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str, str]:
+    return run(capsys, "train", "--no-progress", "--out", str(out), *argv)
+
+
+def test_recipes_lists_every_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "recipes")
+    assert code == 0
+    for name in ("digits (default)", "linear", "cifar10-resnet18"):
+        assert name in out
+
+
+def test_info_json_describes_the_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "info", "--json")
+    info = json.loads(out)
+    assert code == 0
+    assert info["torch"] == torch.__version__
+    assert info["cuda_available"] == torch.cuda.is_available()
+    assert info["backends"]["gloo"] is True
+    assert info["cpu_cores"] >= 1
+    assert info["devices"][0]["type"] == "cpu"
+    code, out, _ = run(capsys, "info")
+    assert "CUDA available" in out and "gloo" in out
+
+
+def test_help_lists_strategies_from_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for name in ("auto", "cpu", "cuda", "mps"):
+        assert name in out
+
+
+def test_digits_default_run_writes_the_output_contract(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    code, stdout, _ = train(capsys, out, "--epochs", "2")
+    assert code == 0
+    assert "test accuracy" in stdout
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {line["split"] for line in lines} == {"train", "eval"}
+    for line in lines:
+        assert {"epoch", "step", "split", "loss"} <= set(line)
+    evals = [line for line in lines if line["split"] == "eval"]
+    assert len(evals) == 2 and all(0.0 <= line["accuracy"] <= 1.0 for line in evals)
+    assert evals[-1]["accuracy"] > 0.8
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights and not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
+    config = json.loads((out / "config.json").read_text())
+    assert config["status"] == "finished"
+    assert config["config"]["recipe"] == "digits"
+    assert config["runtime"]["devices"] == ["cpu"]
+    assert config["versions"]["torch"] == torch.__version__
+
+
+def test_same_seed_gives_bit_identical_weights(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name, seed in (("a", "7"), ("b", "7"), ("c", "8")):
+        assert train(capsys, tmp_path / name, "--epochs", "1", "--seed", seed)[0] == 0
+    a, b, c = (load_file(str(tmp_path / n / "model.safetensors")) for n in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_linear_recipe(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, stdout, _ = train(capsys, tmp_path / "lin", "--recipe", "linear", "--epochs", "1")
+    assert code == 0 and "accuracy" not in stdout
+    weights = load_file(str(tmp_path / "lin" / "model.safetensors"))
+    assert weights["weight"].shape == (1, 10)
+
+
+def test_cifar_recipe_on_synthetic_data(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ("--recipe", "cifar10-resnet18", "--synthetic", "40", "--epochs", "1")
+    code, _, _ = train(capsys, tmp_path / "syn", *argv, "--batch-size", "8", "--cifar-stem")
+    assert code == 0
+    weights = load_file(str(tmp_path / "syn" / "model.safetensors"))
+    assert weights["conv1.weight"].shape == (64, 3, 3, 3)
+    assert weights["fc.weight"].shape == (10, 512)
+
+
+def test_cifar_recipe_from_a_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    write_fake_cifar_batches(tmp_path / "cifar", n_per_batch=8)
+    argv = ("--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "cifar"))
+    code, _, _ = train(capsys, tmp_path / "dir", *argv, "--epochs", "1", "--batch-size", "16")
+    assert code == 0
+    assert (tmp_path / "dir" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--recipe", "nope"], "valid recipes: digits, linear, cifar10-resnet18"),
+        (["--strategy", "nope"], "valid strategies: auto, cpu, cuda, mps"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--batch-size", "-3"], "--batch-size must be at least 1"),
+        (["--lr", "0"], "--lr must be a positive number"),
+        (["--precision", "fp8"], "valid precisions"),
+        (["--devices", "0"], "must be at least 1"),
+        (["--synthetic", "10"], "uses its own data"),
+        (["--recipe", "cifar10-resnet18"], "--data-dir DIR"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--epochs", "x"], "invalid int value"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
+) -> None:
+    code, _, err = train(capsys, tmp_path / "bad", *argv)
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("strategy", ["cuda", "mps"])
+def test_missing_accelerator_suggests_auto_or_cpu(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, strategy: str
+) -> None:
+    if strategy == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    code, _, err = train(capsys, tmp_path / "x", "--strategy", strategy)
+    assert code == 2
+    assert "use --strategy auto or cpu" in err
+
+
+def test_missing_cifar_files_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    argv = ("--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "empty"))
+    code, _, err = train(capsys, tmp_path / "out", *argv)
+    assert code == 2
+    assert "data_batch_1" in err and "test_batch" in err and "Traceback" not in err
+
+
+def test_finished_run_is_not_overwritten_without_overwrite(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    assert train(capsys, out, "--recipe", "linear", "--epochs", "1")[0] == 0
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = train(capsys, out, "--recipe", "linear", "--epochs", "1", "--seed", "3")
+    assert code == 2 and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    code, _, _ = train(
+        capsys, out, "--recipe", "linear", "--epochs", "1", "--seed", "3", "--overwrite"
+    )
+    assert code == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+
+
+def test_out_that_is_a_file_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("keep")
+    code, _, err = train(capsys, target)
+    assert code == 2 and "is a file" in err
+    assert target.read_text() == "keep"
+
+
+def test_console_script_and_module_entry_points(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, "-m", "paratrain", "train", "--strategy", "nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("paratrain: error: unknown strategy")
+    assert "Traceback" not in result.stderr
