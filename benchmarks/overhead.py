@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import platform
 import random
 import statistics
 import time
@@ -22,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from paratrain.devices import cpu_name
 
 EpochFn = Callable[[], int]  # runs one epoch, returns the number of steps
 
@@ -159,7 +160,7 @@ def main() -> None:
                 times[name].append(elapsed / steps)
 
     print(
-        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
+        f"# {cpu_name()}, {torch.get_num_threads()} thread(s), "
         f"torch {torch.__version__}, batch {args.batch}, {args.steps} steps x {args.rounds} rounds"
     )
     base = statistics.median(times["pytorch"])

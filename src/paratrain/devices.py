@@ -104,11 +104,23 @@ class MachineInfo:
         return asdict(self)
 
 
+def cpu_name() -> str:
+    """The CPU's model name where the OS tells it (Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> MachineInfo:
     """Everything `paratrain info` reports (seed 003's queries, and a few more)."""
     from paratrain import __version__
 
-    devices = [DeviceInfo(name=platform.processor() or platform.machine(), type="cpu")]
+    devices = [DeviceInfo(name=cpu_name(), type="cpu")]
     for index in range(cuda_count()):
         props = torch.cuda.get_device_properties(index)
         devices.append(
