@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.devices import cuda_count, mps_available
-from paratrain.strategies import cpu, cuda, mps  # noqa: F401  (registration)
+from paratrain.strategies import cpu, cuda, dp, dp_balanced, mps  # noqa: F401  (registration)
 from paratrain.strategies.base import Collective, Strategy
 from paratrain.strategies.registry import (
     AUTO,
