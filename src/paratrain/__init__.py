@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
 from paratrain.errors import PlacementError, UserError
 from paratrain.runtime import Runtime, RuntimeConfig
 from paratrain.strategies import strategy_names
@@ -15,10 +16,13 @@ def strategies() -> list[str]:
 
 
 __all__ = [
+    "LoadReport",
     "PlacementError",
     "Runtime",
     "RuntimeConfig",
     "UserError",
+    "WeightsMismatchError",
     "__version__",
+    "load_weights",
     "strategies",
 ]

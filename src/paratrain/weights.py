@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -43,9 +44,14 @@ def strip_prefixes(key: str) -> str:
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights on the CPU, with plain names, ready for safetensors."""
+    return plain_tensors(unwrap_model(model).state_dict())
+
+
+def plain_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` on the CPU with wrapper prefixes stripped, ready for safetensors."""
     plain: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for key, value in unwrap_model(model).state_dict().items():
+    for key, value in state.items():
         tensor = value.detach().cpu().contiguous()
         if tensor.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
             tensor = tensor.clone()
