@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from paratrain.commands import COMMAND_MODULES
-from paratrain.errors import UserError
+from paratrain.errors import LaunchError, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"paratrain: error: {exc}", file=sys.stderr)
         return 2
+    except LaunchError as exc:
+        print(f"paratrain: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130

@@ -13,3 +13,11 @@ class UserError(ValueError):
 
 class PlacementError(UserError):
     """A batch or tensor that the runtime cannot put on the strategy's device."""
+
+
+class LaunchError(RuntimeError):
+    """A process of a multi-process run failed, was killed, or never joined the group.
+
+    The message names the rank and the cause (its traceback or the signal). The CLI prints
+    it as one error and exits with code 1: the input was fine, the run was not.
+    """

@@ -1,17 +1,247 @@
-"""How processes start. A strategy says how many it needs; this module starts them."""
+"""How processes start. A strategy says how many it needs; this module starts them.
+
+Three ways, all PyTorch's own machinery:
+
+* one process, or a process a launcher already started (torchrun, ``paratrain run``, or a
+  child spawned below; see :func:`~paratrain.strategies.distributed.launched`): ``fn``
+  runs here;
+* several processes and none started yet: ``torch.multiprocessing`` spawns them (start
+  method ``spawn``) with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and ``MASTER_ADDR=127.0.0.1``
+  / ``MASTER_PORT`` set to a free port; each rebuilds the runtime from ``rt.config``;
+* ``paratrain run SCRIPT``: ``torch.distributed.run`` (torchrun's API) with a standalone
+  rendezvous on 127.0.0.1.
+
+If a spawned process raises or is killed, the others are stopped (SIGTERM, then SIGKILL)
+and :class:`~paratrain.errors.LaunchError` names the rank and its traceback or signal.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from paratrain.errors import LaunchError, UserError
+from paratrain.strategies.distributed import launched
+
 if TYPE_CHECKING:
-    from paratrain.runtime import Runtime
+    from paratrain.runtime import Runtime, RuntimeConfig
 
 T = TypeVar("T")
 
+#: seconds the other processes get to stop by themselves once one failed, before SIGTERM
+#: (and as much again before SIGKILL)
+GRACE_SECONDS = 5.0
+_RESULT = "result.pkl"
+
 
 def launch(runtime: Runtime, fn: Callable[..., T], *args: Any) -> T | None:
-    """Run ``fn(runtime, *args)`` in every process the runtime's strategy needs."""
-    runtime._connect()
-    return fn(runtime, *args)
+    """Run ``fn(runtime, *args)`` in every process the runtime's strategy needs.
+
+    Returns ``fn``'s result in a one-process run and in a process a launcher started; after
+    spawning processes, rank 0's result (it must be picklable). ``fn`` and ``args`` must be
+    picklable too: define ``fn`` at the top level of a module, and guard the script's entry
+    point with ``if __name__ == "__main__":``.
+    """
+    processes = runtime.strategy.num_processes
+    if processes == 1 or launched():
+        return fn(runtime, *args)
+    return spawn(runtime.config, fn, args, processes)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it), for the rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn(config: RuntimeConfig, fn: Callable[..., T], args: tuple[Any, ...], nprocs: int) -> T:
+    """Start ``nprocs`` processes running ``fn(Runtime.from_config(config), *args)``."""
+    try:
+        pickle.dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise UserError(
+            "rt.launch starts new processes and pickles the function and its arguments: "
+            f"define the function at the top level of a module ({exc})"
+        ) from None
+    with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as tmp:
+        context = mp.start_processes(
+            _worker,
+            args=(config, fn, args, nprocs, free_port(), tmp),
+            nprocs=nprocs,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not context.join(grace_period=GRACE_SECONDS):
+                pass
+        except ProcessException as exc:
+            raise _failure(exc, context, Path(tmp)) from None
+        finally:
+            _stop(context.processes)
+            for name in context.error_files:
+                Path(name).unlink(missing_ok=True)
+        result_file = Path(tmp) / _RESULT
+        if not result_file.exists():  # rank 0 was interrupted (SIGINT) and exited quietly
+            raise LaunchError("rank 0 stopped before returning a result")
+        with open(result_file, "rb") as handle:
+            result: T = pickle.load(handle)
+        return result
+
+
+def _worker(
+    rank: int,
+    config: RuntimeConfig,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    nprocs: int,
+    port: int,
+    tmp: str,
+) -> None:
+    """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Share the cores instead of every process using all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    from paratrain.runtime import Runtime
+
+    try:
+        runtime = Runtime.from_config(config)
+        result = fn(runtime, *args)
+    except UserError as exc:
+        # Bad input found late is still bad input: the parent re-raises it as such.
+        _record_failure(tmp, rank, exc)
+        (Path(tmp) / f"usererror-{rank}").write_text(str(exc), encoding="utf-8")
+        sys.exit(2)
+    except Exception as exc:
+        # No teardown: exiting closes this process's connections, so the others'
+        # collectives fail now instead of at a timeout.
+        _record_failure(tmp, rank, exc)
+        raise
+    runtime.teardown()
+    if rank == 0:
+        with open(Path(tmp) / _RESULT, "wb") as handle:
+            pickle.dump(result, handle)
+
+
+def _record_failure(tmp: str, rank: int, exc: BaseException) -> None:
+    """When one rank fails, the others fail soon after in their collectives: the time of
+    each failure tells the parent which one was the cause."""
+    (Path(tmp) / f"failed-{rank}").write_text(repr(time.time()), encoding="utf-8")
+    # The process dies of ``exc``: say so as the interpreter does for an uncaught exception,
+    # so that nothing at exit waits on a collective with peers that may be gone.
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+
+
+def _first_failed_rank(exc: ProcessException, tmp: Path) -> int:
+    """The rank that failed first: torch reports the first exit it noticed, which can be a
+    consequence. A killed process is always a cause."""
+    if not isinstance(exc, mp.ProcessRaisedException):
+        return exc.error_index
+    times: dict[int, float] = {}
+    for path in tmp.glob("failed-*"):
+        with contextlib.suppress(ValueError, OSError):
+            times[int(path.name.split("-")[1])] = float(path.read_text(encoding="utf-8"))
+    return min(times, key=times.__getitem__) if times else exc.error_index
+
+
+def _failure(exc: ProcessException, context: Any, tmp: Path) -> Exception:
+    """One exception naming the failed rank and its traceback, signal or exit code."""
+    rank = _first_failed_rank(exc, tmp)
+    if rank != exc.error_index and not os.path.exists(context.error_files[rank]):
+        rank = exc.error_index  # stopped before it could say why: report what torch saw
+    user_error = tmp / f"usererror-{rank}"
+    if user_error.exists():
+        return UserError(user_error.read_text(encoding="utf-8"))
+    who = f"rank {rank} (pid {context.processes[rank].pid})"
+    if rank != exc.error_index:
+        with open(context.error_files[rank], "rb") as handle:
+            trace = str(pickle.load(handle)).rstrip()
+        return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
+    if isinstance(exc, mp.ProcessExitedException):
+        if exc.signal_name:
+            cause = f"was killed by signal {exc.signal_name}"
+        else:
+            cause = f"exited with code {exc.exit_code}"
+        return LaunchError(f"{who} {cause}; the other processes were stopped")
+    trace = exc.msg.split("terminated with the following error:\n", 1)[-1].rstrip()
+    return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
+
+
+def _stop(processes: Sequence[Any]) -> None:
+    """No orphans, whatever happened: SIGTERM, then SIGKILL what is still alive."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(GRACE_SECONDS)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_script(script: str, script_args: Sequence[str], nprocs: int, env: dict[str, str]) -> None:
+    """Run ``python script *script_args`` in ``nprocs`` processes through torchrun's API.
+
+    Standalone rendezvous on 127.0.0.1, its port picked by the OS. ``env`` is added to the
+    environment the processes inherit.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torch_run
+
+    torchrun_args = get_args_parser().parse_args(
+        [
+            "--nnodes=1",
+            f"--nproc-per-node={nprocs}",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0",
+            f"--rdzv-id={uuid.uuid4()}",
+            "--max-restarts=0",
+            script,
+            *script_args,
+        ]
+    )
+    os.environ.update(env)
+    try:
+        torch_run(torchrun_args)
+    except ChildFailedError as exc:
+        raise LaunchError(f"{script} failed:\n{exc.format_msg().strip()}") from None
+
+
+def on_main(runtime: Runtime, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the main process only; every process gets its result.
+
+    A ``UserError`` it raises is raised in every process, so all of them stop alike.
+    """
+    outcome: tuple[bool, Any] = (True, None)
+    if runtime.is_main:
+        try:
+            outcome = (True, fn(*args))
+        except UserError as exc:
+            outcome = (False, str(exc))
+    ok, value = runtime.broadcast_object(outcome)
+    if not ok:
+        raise UserError(value)
+    return value

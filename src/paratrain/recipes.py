@@ -33,6 +33,8 @@ class Recipe:
     classification: bool = True
     drop_last: bool = False
     uses_data_dir: bool = False
+    #: an LR scheduler built after the runtime's setup, stepped once per optimizer step
+    build_scheduler: Callable[[torch.optim.Optimizer, TrainConfig], Any] | None = None
 
     def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None:
         if not self.uses_data_dir and (data_dir is not None or synthetic is not None):
@@ -94,7 +96,7 @@ register_recipe(
         description="handwritten digits (1,797 8x8 images, shipped), small CNN, SGD",
         epochs=10,
         batch_size=32,
-        lr=0.05,
+        lr=0.02,
         build_model=_digits_model,
         build_data=_digits_data,
         build_optimizer=_sgd_momentum,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +34,10 @@ from paratrain.strategies import Strategy, build_strategy, strategy_names
 from paratrain.strategies.base import ReduceOp
 
 T = TypeVar("T")
+
+#: defaults for ``strategy="auto"`` and ``devices=None``, set by `paratrain run`
+STRATEGY_VARIABLE = "PARATRAIN_STRATEGY"
+DEVICES_VARIABLE = "PARATRAIN_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,10 @@ class Runtime:
         accumulate: int = 1,
         sync_batchnorm: bool = False,
     ) -> None:
+        if strategy == "auto":
+            strategy = os.environ.get(STRATEGY_VARIABLE) or strategy
+        if devices is None:
+            devices = os.environ.get(DEVICES_VARIABLE) or None
         spec = None if devices is None else str(devices)
         self.config = RuntimeConfig(
             strategy, spec, normalize_precision(precision), seed, accumulate, sync_batchnorm
@@ -124,7 +133,8 @@ class Runtime:
     def launch(self, fn: Callable[..., T], *args: Any) -> T | None:
         """Run ``fn(rt, *args)`` in as many processes as the strategy needs.
 
-        Returns ``fn``'s result from a one-process run, None after several processes.
+        Returns ``fn``'s result; when processes were spawned, rank 0's. Spawned processes
+        get ``fn`` and ``args`` pickled: define ``fn`` at the top level of a module.
         """
         from paratrain.launch import launch
 
@@ -245,16 +255,40 @@ class Runtime:
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._connect()
         return self.strategy.collective.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._connect()
         return self.strategy.collective.all_gather(tensor)
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
+        self._connect()
         return self.strategy.collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
 
     def barrier(self) -> None:
+        self._connect()
         self.strategy.collective.barrier()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """Save ``state`` to the file ``path``: modules (plain parameter names), optimizers,
+        LR schedulers and GradScalers (their ``state_dict()``), tensors, plain values, and
+        every process's random generator states. Call it on every process; the main one
+        writes, atomically, and all return once the file is complete."""
+        from paratrain.training_state import save_state
+
+        save_state(self, path, state)
+
+    def load(
+        self, path: str | os.PathLike[str], into: dict[str, Any] | None = None, rng: bool = True
+    ) -> dict[str, Any]:
+        """Read a file :meth:`save` wrote, on every process: load its entries into the
+        objects of ``into`` (same keys as saved) and, with ``rng`` and the same number of
+        processes, restore this process's random generators. Returns every saved entry."""
+        from paratrain.training_state import load_state
+
+        return load_state(self, path, into, rng)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

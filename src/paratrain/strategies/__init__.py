@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.devices import cuda_count, mps_available
-from paratrain.strategies import cpu, cuda, dp, dp_balanced, mps  # noqa: F401  (registration)
+from paratrain.devices import cuda_count, mps_available, parse_count, parse_device_list
+from paratrain.strategies import cpu, cuda, ddp, dp, dp_balanced, mps  # noqa: F401  (registration)
 from paratrain.strategies.base import Collective, Strategy
+from paratrain.strategies.distributed import launched
 from paratrain.strategies.registry import (
     AUTO,
     describe_strategies,
@@ -29,12 +30,24 @@ __all__ = [
 
 
 def resolve_auto(devices: str | None) -> str:
-    """The strategy ``auto`` stands for on this machine: cuda, else mps, else cpu."""
+    """The strategy ``auto`` stands for: ddp in a process torchrun started, ddp over the GPUs
+    where there are two or more (unless ``devices`` names one), else cuda, mps, cpu."""
+    if launched():
+        return "ddp"
+    if cuda_count() >= 2 and _device_count(devices) != 1:
+        return "ddp"
     if cuda_count() > 0:
         return "cuda"
     if mps_available():
         return "mps"
     return "cpu"
+
+
+def _device_count(spec: str | None) -> int | None:
+    if spec is None:
+        return None
+    count = parse_count(spec)
+    return count if count is not None else len(parse_device_list(spec))
 
 
 def build_strategy(name: str, devices: str | int | None) -> Strategy:

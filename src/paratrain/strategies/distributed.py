@@ -1,0 +1,115 @@
+"""Collectives over ``torch.distributed``, and the environment contract of its launchers.
+
+A process is *launched* when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+are set: torchrun, ``paratrain run`` and the processes ``rt.launch`` spawns all set them,
+and ``init_process_group(init_method="env://")`` reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import UserError
+from paratrain.strategies.base import Collective, ReduceOp
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+INIT_TIMEOUT_VARIABLE = "PARATRAIN_INIT_TIMEOUT"
+COLLECTIVE_TIMEOUT_VARIABLE = "PARATRAIN_COLLECTIVE_TIMEOUT"
+DEFAULT_INIT_TIMEOUT = 120.0
+DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as one rank of a group."""
+    return all(os.environ.get(name) for name in LAUNCH_VARIABLES)
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if not value else int(value)
+
+
+def local_process_count() -> int | None:
+    """How many processes the launcher started on this machine, None if not launched."""
+    if not launched():
+        return None
+    return env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))
+
+
+def timeout_from_env(name: str, default: float) -> timedelta:
+    raw = os.environ.get(name)
+    if not raw:
+        return timedelta(seconds=default)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UserError(f"{name}={raw!r} must be a positive number of seconds")
+    return timedelta(seconds=seconds)
+
+
+class TorchCollective(Collective):
+    """Collectives of one rank of a process group (gloo on CPU, nccl on CUDA).
+
+    Every operation leaves its input unchanged and returns a new tensor on the input's
+    device, like the one-process :class:`Collective` whose results are its inputs.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        # nccl only moves CUDA tensors; gloo moves CPU tensors.
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.group = group
+
+    def _out(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(self.device, copy=True).contiguous()
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        if op not in _OPS:
+            raise UserError(f"unknown reduce op {op!r}; use one of: {', '.join(_OPS)}")
+        work = self._out(tensor)
+        dist.all_reduce(work, _OPS[op], group=self.group)
+        if op == "mean":
+            work = work / self.world_size
+        return work.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on every rank), in rank order."""
+        work = self._out(tensor)
+        parts = [torch.empty_like(work) for _ in range(self.world_size)]
+        dist.all_gather(parts, work, group=self.group)
+        return [part.to(tensor.device) for part in parts]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj if self.rank == src else None]
+        device = self.device if self.device.type == "cuda" else None
+        dist.broadcast_object_list(box, src=src, group=self.group, device=device)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            dist.barrier(group=self.group, device_ids=[self.device.index or 0])
+        else:
+            dist.barrier(group=self.group)
