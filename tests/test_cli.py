@@ -115,7 +115,7 @@ def test_cifar_recipe_from_a_data_dir(capsys: pytest.CaptureFixture[str], tmp_pa
     ("argv", "message"),
     [
         (["--recipe", "nope"], "valid recipes: digits, linear, cifar10-resnet18"),
-        (["--strategy", "nope"], "valid strategies: auto, cpu, cuda, mps"),
+        (["--strategy", "nope"], "valid strategies: auto, cpu, cuda"),
         (["--epochs", "0"], "--epochs must be at least 1"),
         (["--batch-size", "-3"], "--batch-size must be at least 1"),
         (["--lr", "0"], "--lr must be a positive number"),
@@ -163,10 +163,10 @@ def test_finished_run_is_not_overwritten_without_overwrite(
     out = tmp_path / "run"
     assert train(capsys, out, "--recipe", "linear", "--epochs", "1")[0] == 0
     (out / "notes.txt").write_text("mine")
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     code, _, err = train(capsys, out, "--recipe", "linear", "--epochs", "1", "--seed", "3")
     assert code == 2 and "--overwrite" in err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     code, _, _ = train(
         capsys, out, "--recipe", "linear", "--epochs", "1", "--seed", "3", "--overwrite"
     )

@@ -114,7 +114,7 @@ def _dict_collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, t
 def test_input_on_another_device_gets_a_clear_error() -> None:
     rt = paratrain.Runtime(strategy="cpu")
     model = rt.setup(nn.Linear(3, 2))
-    with pytest.raises(PlacementError, match="rt.setup_loader"):
+    with pytest.raises(PlacementError, match=r"rt\.setup_loader"):
         model(torch.randn(4, 3, device="meta"))
 
 

@@ -32,6 +32,12 @@ class TrainConfig:
     cifar_stem: bool = False
     max_steps: int | None = None
     progress: bool = True
+    #: also checkpoint every N optimizer steps (always at the end of every epoch)
+    save_every: int | None = None
+    #: how many of the newest checkpoints to keep
+    keep: int = 3
+    #: the checkpoint directory this run continues from (set by ``--resume``)
+    resume_from: str | None = None
 
     def resolved(self) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -52,6 +58,9 @@ class TrainConfig:
         _positive("--accumulate", cfg.accumulate)
         if cfg.max_steps is not None:
             _positive("--max-steps", cfg.max_steps)
+        if cfg.save_every is not None:
+            _positive("--save-every", cfg.save_every)
+        _positive("--keep", cfg.keep)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)
         if cfg.lr is None or not cfg.lr > 0:

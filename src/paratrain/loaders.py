@@ -216,7 +216,9 @@ def shard_loader(
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
+        # A private generator: starting an epoch then draws nothing from the global one,
+        # so a run resumed mid-epoch continues the same random stream.
+        generator=loader.generator or torch.Generator().manual_seed(seed),
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )

@@ -18,6 +18,7 @@ from paratrain.loaders import DeviceLoader
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
+from paratrain.training_state import Checkpointer, Position, TrainingParts, load_checkpoint
 from paratrain.weights import save_weights, unwrap_model
 
 
@@ -63,7 +64,10 @@ def evaluate(
 
 
 def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
-    """Train ``cfg.recipe`` with ``rt``; the main process writes ``directory``'s files."""
+    """Train ``cfg.recipe`` with ``rt``; the main process writes ``directory``'s files.
+
+    Checkpoints go to ``directory/checkpoints``; ``cfg.resume_from`` continues from one.
+    """
     recipe = get_recipe(cfg.recipe)
     assert cfg.epochs is not None and cfg.batch_size is not None
     train_set, test_set = recipe.build_data(cfg)
@@ -71,44 +75,78 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     optimizer = recipe.build_optimizer(model.parameters(), cfg)
     plain_loss = recipe.build_loss()
     model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss)
+    scheduler = recipe.build_scheduler(optimizer, cfg) if recipe.build_scheduler else None
+    # Loaders with their own generator: starting an epoch draws no number from the global
+    # one, so a run resumed mid-epoch draws the same random numbers as one that never stopped.
     train_loader = rt.setup_loader(
-        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=recipe.drop_last)
+        DataLoader(
+            train_set,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            drop_last=recipe.drop_last,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
     )
     test_loader = rt.setup_loader(
-        DataLoader(test_set, batch_size=cfg.batch_size, shuffle=False), evaluation=True
+        DataLoader(test_set, batch_size=cfg.batch_size, generator=torch.Generator()),
+        evaluation=True,
     )
-    writer = rundir.MetricsWriter(directory / rundir.METRICS) if directory and rt.is_main else None
-    if writer is not None and directory is not None:
+    batches_per_epoch = len(train_loader)
+    parts = TrainingParts(model, optimizer, scheduler, rt.precision.scaler)
+    resumed = cfg.resume_from is not None
+    at = Position()
+    if resumed:  # restores the random generators too: no random draw may come after this
+        at = load_checkpoint(rt, Path(str(cfg.resume_from)), parts, batches_per_epoch)
+    writer = None
+    if directory is not None and rt.is_main:
+        keep_lines = at.metrics_lines if resumed else None
+        writer = rundir.MetricsWriter(directory / rundir.METRICS, keep_lines)
         rundir.write_config(directory, _config_payload(rt, cfg, "running"))
+    saver = Checkpointer(rt, directory, cfg, parts, batches_per_epoch, at, writer)
 
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.accumulate)
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
-    step, samples, start = 0, 0, time.perf_counter()
-    train_loss = eval_loss = math.nan
-    accuracy: float | None = None
-    epoch = 0
+    step, samples, start = at.step, 0, time.perf_counter()
+    last = at.last_metrics  # a resumed run that trains no further still has its figures
+    train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
+    accuracy = last.get("eval_accuracy")
+    epoch = at.epoch - 1
     with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
-        for epoch in range(cfg.epochs):
+        for epoch in range(at.epoch, cfg.epochs):
+            batch = at.batch if epoch == at.epoch else 0
+            if step >= total and batch == 0:
+                break  # resumed from the checkpoint that ended the run
+            train_loader.set_epoch(epoch, batch)
             model.train()
             loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
             count = 0
-            for x, y in train_loader:
+            if epoch == at.epoch:
+                loss_sum += at.loss_sum
+                count = at.samples
+            for x, y in train_loader if step < total else ():
                 with rt.accumulate(model):
                     loss = loss_fn(model(x), y)
                     rt.backward(loss)
                 applied = rt.sync_gradients
                 optimizer.step()
                 optimizer.zero_grad()
+                if applied and scheduler is not None:
+                    scheduler.step()
                 loss_sum += loss.detach().double() * len(y)
                 count += len(y)
+                samples += len(y) * rt.world_size
+                batch += 1
                 step += applied
                 if bar.due():
-                    bar.update(step, epoch, loss.item(), (samples + count) * rt.world_size)
+                    bar.update(step, epoch, loss.item(), samples)
+                if applied and saver.due(step, batch):
+                    saver.save(epoch, batch, step, loss_sum, count)
                 if step >= total:
                     break
-            samples += count * rt.world_size
+            if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
+                saver.save(epoch, batch, step, loss_sum, count)
             totals = rt.all_reduce(
                 torch.stack([loss_sum, torch.tensor(float(count), device=rt.device).double()]),
                 "sum",
@@ -121,6 +159,13 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
             if writer is not None:
                 writer.write(_record(epoch, step, "train", train_loss, None))
                 writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
+            saver.last_metrics = {
+                "train_loss": train_loss,
+                "eval_loss": eval_loss,
+                "eval_accuracy": accuracy,
+            }
+            if batch == batches_per_epoch:
+                saver.save(epoch + 1, 0, step)
             if step >= total:
                 break
     seconds = time.perf_counter() - start

@@ -3,6 +3,7 @@
 metrics.jsonl      one JSON object per line: epoch, step, split, loss (+ accuracy)
 model.safetensors  final weights, plain parameter names
 config.json        resolved configuration, devices, versions, status and summary
+checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.training_state)
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import IO, Any
 
 import torch
 
-from paratrain.atomic import atomic_write_text
+from paratrain.atomic import atomic_write, atomic_write_text
 from paratrain.errors import UserError
+from paratrain.training_state.store import CHECKPOINTS, remove_checkpoints
 
 METRICS = "metrics.jsonl"
 WEIGHTS = "model.safetensors"
@@ -36,7 +38,7 @@ def read_status(directory: Path) -> str | None:
             return str(json.loads(config.read_text(encoding="utf-8")).get("status", "running"))
         except (OSError, ValueError):
             return "running"
-    if (directory / WEIGHTS).exists() or (directory / METRICS).exists():
+    if any((directory / name).exists() for name in (WEIGHTS, METRICS, CHECKPOINTS)):
         return "running"
     return None
 
@@ -49,14 +51,18 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
         raise UserError(f"--out {directory} is a file, not a directory; choose another --out")
     status = read_status(directory) if directory.is_dir() else None
     if status is not None and not overwrite:
-        what = "a finished run" if status == "finished" else "an unfinished run"
+        if status == "finished":
+            what, resume = "a finished run", f" (--resume {directory} --epochs N trains it further)"
+        else:
+            what, resume = "an unfinished run", f"; continue it with --resume {directory}"
         raise UserError(
-            f"--out {directory} already holds {what}; pass --overwrite to replace it "
+            f"--out {directory} already holds {what}{resume}; pass --overwrite to replace it "
             "or choose another --out"
         )
     if status is not None:
         for name in OWN_FILES:
             (directory / name).unlink(missing_ok=True)
+        remove_checkpoints(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -80,14 +86,35 @@ def write_config(directory: Path, payload: dict[str, Any]) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON line per record and flushes it, so a crash loses at most one line."""
+    """Appends one JSON line per record and flushes it, so a crash loses at most one line.
 
-    def __init__(self, path: Path) -> None:
+    ``keep_lines`` (a resumed run): first cut the file back to its first ``keep_lines``
+    lines, those written before the checkpoint the run continues from.
+    """
+
+    def __init__(self, path: Path, keep_lines: int | None = None) -> None:
+        if keep_lines is not None and path.exists():
+            kept = path.read_text(encoding="utf-8").splitlines(keepends=True)[:keep_lines]
+            kept = [line for line in kept if line.endswith("\n")]  # not a half-written line
+            atomic_write(path, lambda tmp: _write_lines(tmp, kept))
+        self.lines = _count_lines(path)
         self._handle: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         self._handle.write(json.dumps(record, sort_keys=True) + "\n")
         self._handle.flush()
+        self.lines += 1
 
     def close(self) -> None:
         self._handle.close()
+
+
+def _count_lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as handle:
+        return sum(1 for _ in handle)
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(lines), encoding="utf-8")

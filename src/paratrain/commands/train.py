@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from paratrain import rundir
 from paratrain.config import TrainConfig
+from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
 from paratrain.recipes import DEFAULT_RECIPE, recipe_names
 from paratrain.runtime import Runtime
 from paratrain.strategies import describe_strategies
+from paratrain.training_state.resume import resume_config
 
 
 def _strategy_help() -> str:
-    lines = ["auto (cuda, else mps, else cpu)"]
+    lines = ["auto (ddp under torchrun or on 2+ GPUs, else cuda, mps, cpu)"]
     lines += [f"{name} ({text})" for name, text in describe_strategies().items()]
     return "; ".join(lines)
 
@@ -43,33 +46,45 @@ def register(subparsers: Any) -> None:
     add_training_arguments(p)
     p.add_argument("--out", help="output directory; default runs/<recipe>-<timestamp>")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument(
+        "--save-every", type=int, metavar="N", help="also checkpoint every N optimizer steps"
+    )
+    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (3)")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run in DIR from its newest checkpoint (or DIR/checkpoints/step-N)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=run)
+    # Every option left out stays None, so that --resume knows which ones were given.
+    p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
+
+
+#: TrainConfig fields set by the option of the same name
+_OPTION_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("progress", "resume_from")
+)
+
+
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields set on the command line (an option left out is None)."""
+    given = {name: getattr(args, name, None) for name in _OPTION_FIELDS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if getattr(args, "no_progress", False):
+        given["progress"] = False
+    return given
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        recipe=args.recipe,
-        strategy=args.strategy,
-        devices=args.devices,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        out=getattr(args, "out", None),
-        overwrite=getattr(args, "overwrite", False),
-        data_dir=args.data_dir,
-        synthetic=args.synthetic,
-        precision=args.precision,
-        accumulate=args.accumulate,
-        sync_batchnorm=args.sync_batchnorm,
-        cifar_stem=args.cifar_stem,
-        max_steps=args.max_steps,
-        progress=not getattr(args, "no_progress", False),
-    )
+    return TrainConfig(**given_options(args))
 
 
-def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str) -> Summary:
+def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str | None) -> Summary:
+    if directory is None:
+        # Started by torchrun: every process runs this command; the main one alone checks
+        # and creates --out, so the overwrite check cannot race.
+        directory = str(on_main(rt, rundir.prepare, cfg.out, cfg.recipe, cfg.overwrite))
+        cfg.out = directory
     summary = train(rt, cfg, Path(directory))
     rt.print(summary.line(Path(directory)))
     return summary
@@ -77,12 +92,18 @@ def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str) -> Summary:
 
 def train_command(cfg: TrainConfig) -> int:
     cfg = cfg.resolved()
-    directory = rundir.prepare(cfg.out, cfg.recipe, cfg.overwrite)
-    cfg.out = str(directory)
+    directory = None
+    if cfg.resume_from is not None:
+        directory = cfg.out  # the run being continued, checked by resume_config
+    elif not launched():
+        directory = str(rundir.prepare(cfg.out, cfg.recipe, cfg.overwrite))
+        cfg.out = directory
     rt = Runtime.from_config(cfg.runtime_config())
-    rt.launch(train_in_process, cfg, str(directory))
+    rt.launch(train_in_process, cfg, directory)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "resume", None) is not None:
+        return train_command(resume_config(args.resume, given_options(args)))
     return train_command(config_from_args(args))

@@ -1,0 +1,244 @@
+"""What the training loop saves in a checkpoint and how a resumed run reads it back.
+
+One checkpoint directory (see :mod:`.store`) holds:
+
+* ``model.safetensors``: the weights, plain parameter names;
+* ``optimizer.pt``, ``scheduler.pt`` (a recipe with a scheduler), ``scaler.pt`` (fp16 on
+  CUDA): their ``state_dict()``;
+* ``rng-rank{R}.pt``: the generator states of process R (Python, NumPy, torch CPU, CUDA),
+  gathered to the main process, which alone writes;
+* ``state.json``: where training stands (``epoch``, ``batch`` = global batches of that epoch
+  already trained, ``step``), each process's running train-loss sum for the epoch, how many
+  lines ``metrics.jsonl`` had, and the settings that must match to resume (recipe, batch
+  size, seed, accumulate, precision, world size, strategy).
+
+Every ``.pt`` file holds only tensors and plain containers: ``torch.load(weights_only=True)``
+reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from paratrain import __version__
+from paratrain.checkpoint import load_weights
+from paratrain.checkpoint.readers import read_torch
+from paratrain.errors import UserError
+from paratrain.training_state.collect import gather_to_main
+from paratrain.training_state.rng import capture_rng, restore_rng
+from paratrain.training_state.store import STATE, WEIGHTS, FileWriter, write_checkpoint
+from paratrain.weights import plain_state_dict
+
+if TYPE_CHECKING:
+    from paratrain.config import TrainConfig
+    from paratrain.runtime import Runtime
+
+FORMAT = 1
+#: settings a checkpoint can only be resumed with (the data position and step count
+#: depend on them)
+MUST_MATCH = ("recipe", "batch_size", "seed", "accumulate", "precision")
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+@dataclass
+class Position:
+    """Where training stands; what a checkpoint records and a resumed run starts from."""
+
+    epoch: int = 0  # the epoch to continue in (0-based)
+    batch: int = 0  # global batches of that epoch already trained on
+    step: int = 0  # optimizer steps done
+    loss_sum: float = 0.0  # this process's sum of loss x samples over those batches
+    samples: int = 0  # this process's samples of those batches
+    metrics_lines: int = 0  # lines of metrics.jsonl written so far
+    #: the last finished epoch's train_loss, eval_loss, eval_accuracy
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingParts:
+    """The objects whose state a checkpoint holds."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    scaler: torch.amp.GradScaler | None = None
+
+    def stateful(self) -> dict[str, Any]:
+        parts = {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+        return {name: obj for name, obj in parts.items() if obj is not None}
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json``, or ``UserError`` saying what is wrong with it."""
+    path = checkpoint / STATE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{checkpoint} is not a checkpoint: it has no {STATE}") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"{path} is unreadable or not JSON ({exc}); resume from another checkpoint"
+        ) from None
+    needed = ("format", "epoch", "batch", "step", "world_size", "batches_per_epoch")
+    if not isinstance(state, dict) or any(key not in state for key in needed):
+        raise UserError(f"{path} is not a paratrain checkpoint state (needs {', '.join(needed)})")
+    if state["format"] > FORMAT:
+        raise UserError(f"{checkpoint} was written by a newer paratrain; upgrade to resume it")
+    return state
+
+
+class Checkpointer:
+    """When and what the training loop saves: every ``save_every`` optimizer steps inside an
+    epoch, at the end of every epoch, and where ``--max-steps`` stops training mid-epoch.
+
+    Every process calls :meth:`save` at the same steps (their generator states are gathered);
+    the main process writes. Without a run directory nothing is saved.
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        run_dir: Path | None,
+        cfg: TrainConfig,
+        parts: TrainingParts,
+        batches_per_epoch: int,
+        start: Position,
+        metrics: Any = None,
+    ) -> None:
+        self.rt = rt
+        self.metrics = metrics  # the main process's MetricsWriter: its line count is saved
+        #: the last finished epoch's figures, saved with every checkpoint
+        self.last_metrics: dict[str, Any] = dict(start.last_metrics)
+        self.run_dir = run_dir
+        self.parts = parts
+        self.every = cfg.save_every
+        self.keep = cfg.keep
+        self.batches_per_epoch = batches_per_epoch
+        self.info: dict[str, Any] = {
+            **{name: getattr(cfg, name) for name in MUST_MATCH},
+            "world_size": rt.world_size,
+            "strategy": rt.strategy.name,
+            "devices": [str(d) for d in rt.strategy.devices],
+            "batches_per_epoch": batches_per_epoch,
+        }
+        resumed = cfg.resume_from is not None
+        self._last = (start.epoch, start.batch, start.step) if resumed else None
+
+    def due(self, step: int, batch: int) -> bool:
+        """A ``save_every`` checkpoint after this step? (Not at an epoch's last batch: the
+        end-of-epoch checkpoint follows.)"""
+        return self.every is not None and step % self.every == 0 and batch < self.batches_per_epoch
+
+    def save(
+        self, epoch: int, batch: int, step: int, loss_sum: Any = 0.0, samples: int = 0
+    ) -> Path | None:
+        """Save the position (``batch`` global batches of ``epoch`` trained, ``step`` steps,
+        this process's running ``loss_sum`` and ``samples``) and every part's state. Returns
+        the checkpoint on the main process; saves nothing twice for the same position."""
+        if self.run_dir is None or (epoch, batch, step) == self._last:
+            return None
+        self._last = (epoch, batch, step)
+        mine = {
+            "rng": capture_rng(self.rt.strategy.devices),
+            "loss_sum": float(loss_sum),
+            "samples": samples,
+        }
+        gathered = gather_to_main(self.rt, mine)
+        if gathered is None:
+            return None
+        state = {
+            "format": FORMAT,
+            "epoch": epoch,
+            "batch": batch,
+            "step": step,
+            **self.info,
+            "epoch_loss_sums": [g["loss_sum"] for g in gathered],
+            "epoch_samples": [g["samples"] for g in gathered],
+            "metrics_lines": self.metrics.lines if self.metrics is not None else 0,
+            "last_metrics": self.last_metrics,
+            "paratrain": __version__,
+        }
+        files: dict[str, FileWriter] = {WEIGHTS: _safetensors_writer(self.parts.model)}
+        for name, obj in self.parts.stateful().items():
+            files[f"{name}.pt"] = _torch_writer(obj.state_dict())
+        for rank, part in enumerate(gathered):
+            files[rng_file(rank)] = _torch_writer(part["rng"])
+        files[STATE] = _json_writer(state)  # last: its presence marks a complete set
+        return write_checkpoint(self.run_dir, step, files, self.keep)
+
+
+def load_checkpoint(
+    rt: Runtime, checkpoint: Path, parts: TrainingParts, batches_per_epoch: int
+) -> Position:
+    """Load ``checkpoint`` into ``parts`` and this process's generators; where to go on.
+
+    Every process reads the files itself. Under another world size the generator states are
+    not restored (they are per process), and the epoch's running loss sum goes to rank 0.
+    """
+    state = read_state(checkpoint)
+    if state["batches_per_epoch"] != batches_per_epoch:
+        raise UserError(
+            f"{checkpoint} was saved with {state['batches_per_epoch']} batches per epoch, this "
+            f"run has {batches_per_epoch}: the data set changed; resume with the same data"
+        )
+    load_weights(parts.model, checkpoint / WEIGHTS)
+    for name, obj in parts.stateful().items():
+        path = checkpoint / f"{name}.pt"
+        if path.is_file():
+            obj.load_state_dict(read_torch(path))
+        else:
+            rt.print(f"paratrain: note: {checkpoint} holds no {name} state", file=sys.stderr)
+    rank, world = rt.rank, rt.world_size
+    sums, samples = state.get("epoch_loss_sums", [0.0]), state.get("epoch_samples", [0])
+    if state["world_size"] == world:
+        missing = restore_rng(read_torch(checkpoint / rng_file(rank)), rt.strategy.devices)
+        if missing:
+            names = ", ".join(missing)
+            rt.print(f"paratrain: note: no generator state restored for {names}", file=sys.stderr)
+        loss_sum, count = sums[rank], samples[rank]
+    else:
+        rt.print(
+            f"paratrain: note: the checkpoint was saved by {state['world_size']} process(es), "
+            f"this run has {world}: the data position carries over exactly, the per-process "
+            "random generators do not (exact only if training draws no random numbers)",
+            file=sys.stderr,
+        )
+        loss_sum, count = (sum(sums), sum(samples)) if rank == 0 else (0.0, 0)
+    return Position(
+        epoch=state["epoch"],
+        batch=state["batch"],
+        step=state["step"],
+        loss_sum=float(loss_sum),
+        samples=int(count),
+        metrics_lines=int(state.get("metrics_lines", 0)),
+        last_metrics=dict(state.get("last_metrics") or {}),
+    )
+
+
+def _safetensors_writer(model: nn.Module) -> FileWriter:
+    tensors = plain_state_dict(model)
+    return lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
+def _torch_writer(obj: Any) -> FileWriter:
+    return lambda tmp: torch.save(obj, tmp)
+
+
+def _json_writer(obj: Any) -> FileWriter:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    return write
