@@ -1,0 +1,50 @@
+"""The bench's progress bar: one tick per measured run, on stderr."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+
+class BenchProgress:
+    def __init__(self, enabled: bool) -> None:
+        self._progress: Progress | None = None
+        self._task = TaskID(0)
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]bench"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+
+    def __enter__(self) -> BenchProgress:
+        if self._progress is not None:
+            self._progress.start()
+            self._task = self._progress.add_task("starting", total=None)
+        return self
+
+    def update(self, what: str, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=what, completed=done, total=total)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()

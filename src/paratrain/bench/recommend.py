@@ -1,0 +1,94 @@
+"""The recommendation: the fastest combination that fits in memory, and whether it truly
+beat the runner-up or only tied within the measured noise.
+
+A pure function of the measurements, so it is tested with given timings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paratrain.bench.stats import Spread, spread
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str
+    status: str  # "ok", "oom", "error" or "skipped"
+    samples_per_second: Sequence[float] = ()
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    winner: str | None
+    runner_up: str | None = None
+    #: how much faster the winner's median is than the runner-up's (0.12 = 12 %)
+    margin: float | None = None
+    tie: bool = False
+    excluded: dict[str, str] = field(default_factory=dict)
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "winner": self.winner,
+            "runner_up": self.runner_up,
+            "margin": self.margin,
+            "tie": self.tie,
+            "excluded": dict(self.excluded),
+            "message": self.message,
+        }
+
+
+def is_tie(winner: Spread, runner_up: Spread) -> bool:
+    """Within the noise: the min-max ranges overlap, or the medians differ by less than the
+    wider of the two spreads."""
+    difference = winner.median - runner_up.median
+    return winner.overlaps(runner_up) or difference < max(winner.width, runner_up.width)
+
+
+def recommend(candidates: Sequence[Candidate]) -> Recommendation:
+    """Pick the fastest candidate that ran (``status == "ok"``); out-of-memory, failed and
+    skipped ones are excluded and listed with their status."""
+    excluded = {c.label: c.status for c in candidates if c.status != "ok"}
+    measured = [
+        (c.label, spread(c.samples_per_second))
+        for c in candidates
+        if c.status == "ok" and c.samples_per_second
+    ]
+    excluded.update(
+        {c.label: "no timings" for c in candidates if c.status == "ok" and not c.samples_per_second}
+    )
+    if not measured:
+        return Recommendation(
+            winner=None,
+            excluded=excluded,
+            message="no combination ran to completion, so there is nothing to recommend",
+        )
+    measured.sort(key=lambda item: item[1].median, reverse=True)
+    best_label, best = measured[0]
+    if len(measured) == 1:
+        return Recommendation(
+            winner=best_label,
+            excluded=excluded,
+            message=(
+                f"use {best_label}: {best.median:,.0f} samples/s, the only combination that ran"
+            ),
+        )
+    second_label, second = measured[1]
+    margin = best.median / second.median - 1.0 if second.median > 0 else None
+    tie = is_tie(best, second)
+    percent = f"{margin:.1%}" if margin is not None else "n/a"
+    if tie:
+        message = (
+            f"tie: {best_label} ({best.median:,.0f} samples/s) and {second_label} "
+            f"({second.median:,.0f}) are within the measured noise ({percent} apart); "
+            "choose either"
+        )
+    else:
+        message = (
+            f"use {best_label}: {best.median:,.0f} samples/s, {percent} faster than "
+            f"{second_label} ({second.median:,.0f})"
+        )
+    return Recommendation(best_label, second_label, margin, tie, excluded, message)

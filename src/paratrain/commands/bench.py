@@ -1,0 +1,242 @@
+"""`paratrain bench`: measure every layout and precision this machine runs, and recommend one.
+
+`paratrain bench placement` and `paratrain bench crossover` are the micro-benchmarks of
+seeds 002 and 003.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from paratrain.bench.combos import parse_batch_sizes, parse_precision_list, parse_strategy_list
+from paratrain.bench.crossover import DEFAULT_SIZES
+from paratrain.bench.progress import BenchProgress
+from paratrain.bench.task import TaskSource
+from paratrain.errors import UserError
+from paratrain.recipes import DEFAULT_RECIPE, recipe_names
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure which layout and precision is fastest here",
+        description=(
+            "Train real steps of a model with every strategy, precision and batch size this "
+            "machine supports, each in a fresh process; report throughput, step time and "
+            "peak memory per device, and recommend the fastest that fits."
+        ),
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--recipe", help=f"one of: {', '.join(recipe_names())} (default digits)")
+    what.add_argument(
+        "--script",
+        metavar="FILE.py:FACTORY",
+        help="your model: FACTORY() returns (model, loss_fn, sample_batch[, make_optimizer])",
+    )
+    p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
+    p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
+    p.add_argument("--strategies", help="comma list; default: every strategy available here")
+    p.add_argument("--precisions", help="comma list of 32, bf16, fp16; default: native ones")
+    p.add_argument("--batch-sizes", help="comma list of global batch sizes; default: recipe's")
+    p.add_argument("--devices", help="for multi-device strategies: a count or a list (cpu,cpu)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per run (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
+    p.add_argument("--out", help="output directory; default runs/bench-<name>-<timestamp>")
+    p.add_argument("--overwrite", action="store_true", help="replace a bench.json in --out")
+    p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run)
+    micro = p.add_subparsers(dest="micro", metavar="{placement,crossover}")
+    _register_micro(micro)
+
+
+def _source(args: argparse.Namespace) -> TaskSource:
+    if args.script is not None:
+        if args.data_dir is not None or args.synthetic is not None:
+            raise UserError("--data-dir and --synthetic are for recipes, not --script")
+        return TaskSource(script=args.script, seed=args.seed)
+    return TaskSource(
+        recipe=args.recipe or DEFAULT_RECIPE,
+        data_dir=args.data_dir,
+        synthetic=args.synthetic,
+        seed=args.seed,
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from paratrain.bench.runner import BenchSettings
+
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--repeats", args.repeats, 1),
+    ):
+        if value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    if args.timeout <= 0:
+        raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    return BenchSettings(
+        source=_source(args),
+        strategies=parse_strategy_list(args.strategies),
+        precisions=parse_precision_list(args.precisions),
+        batch_sizes=parse_batch_sizes(args.batch_sizes),
+        devices=args.devices,
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        timeout=args.timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.micro == "placement":
+        return run_placement(args)
+    if args.micro == "crossover":
+        return run_crossover(args)
+    from paratrain.bench.chart import MISSING_MATPLOTLIB, write_chart
+    from paratrain.bench.report import BENCH_PNG, check_out, make_out, print_report, write_json
+    from paratrain.bench.runner import run_bench
+
+    settings = settings_from_args(args)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = check_out(Path(args.out or f"runs/bench-{settings.source.name}-{stamp}"), args.overwrite)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # piped output: no need to squeeze into 80 columns
+    with BenchProgress(enabled=not args.no_progress) as bar:
+        report = run_bench(settings, bar.update)
+    report.arguments = {k: v for k, v in vars(args).items() if not k.endswith("handler")}
+    print_report(report, console)
+    make_out(out)
+    written = [write_json(report, out)]
+    if not args.no_plot:
+        if write_chart(report, out / BENCH_PNG):
+            written.append(out / BENCH_PNG)
+        else:
+            console.print(MISSING_MATPLOTLIB)
+    console.print(f"wrote {', '.join(str(p) for p in written)} ({report.wall_seconds:.0f}s)")
+    return 0
+
+
+# -- micro-benchmarks (seeds 002 and 003) -------------------------------------------------------
+def _register_micro(micro: Any) -> None:
+    p = micro.add_parser(
+        "placement",
+        help="create on the CPU then copy vs create on the GPU; pageable vs pinned copies",
+    )
+    p.add_argument("--device", help="the GPU to measure (default cuda:0, else mps)")
+    p.add_argument("--size", type=int, default=10000, help="n for n x n float32 (default 10000)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls each (default 10)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    c = micro.add_parser("crossover", help="matrix sizes from which the GPU beats the CPU")
+    c.add_argument("--device", help="the GPU to measure (default cuda:0, else mps)")
+    c.add_argument(
+        "--sizes",
+        default=",".join(str(n) for n in DEFAULT_SIZES),
+        help="comma list of n for n x n matrices",
+    )
+    c.add_argument("--repeats", type=int, default=5, help="timed calls each (default 5)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _check_micro(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+
+
+def _ms(spread: Any) -> str:
+    return f"{spread.median * 1000:.3f}"
+
+
+def run_placement(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from paratrain.bench.placement import measure_placement
+    from paratrain.bench.timing import NO_GPU, pick_gpu
+
+    _check_micro(args)
+    if args.size < 1:
+        raise UserError(f"--size must be at least 1, got {args.size}")
+    device = pick_gpu(args.device)
+    if device is None:
+        print(f"paratrain bench placement: {NO_GPU}")
+        return 0
+    rows = measure_placement(device, args.size, args.repeats)
+    if args.json:
+        payload = {"device": str(device), "size": args.size, "rows": [r.to_dict() for r in rows]}
+        print(json.dumps(payload, indent=2))
+        return 0
+    table = Table(title=f"placement of a {args.size}x{args.size} float32 tensor on {device}")
+    for column in ("how", "median ms", "min-max ms", "GB/s", "note"):
+        table.add_column(column, justify="left" if column in ("how", "note") else "right")
+    for row in rows:
+        s = row.seconds
+        gbps = row.gb_per_second
+        table.add_row(
+            row.name,
+            "-" if s is None else _ms(s),
+            "-" if s is None else f"{s.min * 1000:.3f}-{s.max * 1000:.3f}",
+            "-" if gbps is None else f"{gbps:.1f}",
+            row.note,
+        )
+    Console().print(table)
+    return 0
+
+
+def run_crossover(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from paratrain.bench.crossover import crossover_size, measure_crossover
+    from paratrain.bench.timing import NO_GPU, pick_gpu
+
+    _check_micro(args)
+    sizes = parse_batch_sizes(args.sizes.replace(" ", "")) or []
+    device = pick_gpu(args.device)
+    if device is None:
+        print(f"paratrain bench crossover: {NO_GPU}")
+        return 0
+    rows = measure_crossover(device, sizes, args.repeats)
+    size = crossover_size(
+        [r.size for r in rows],
+        [r.cpu.median for r in rows],
+        [r.gpu_with_transfers.median for r in rows],
+    )
+    verdict = (
+        f"the GPU ({device}) wins from {size}x{size} on, copies included"
+        if size is not None
+        else f"the CPU was as fast or faster at every size measured than {device}"
+    )
+    if args.json:
+        payload = {
+            "device": str(device),
+            "crossover_size": size,
+            "rows": [r.to_dict() for r in rows],
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    table = Table(title=f"a @ b for n x n float32: CPU vs {device}")
+    for column in ("n", "CPU ms", "GPU ms (with copies)", "GPU ms (compute)", "faster"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        faster = "GPU" if row.gpu_with_transfers.median < row.cpu.median else "CPU"
+        table.add_row(
+            str(row.size),
+            _ms(row.cpu),
+            _ms(row.gpu_with_transfers),
+            _ms(row.gpu_compute),
+            faster,
+        )
+    console = Console()
+    console.print(table)
+    console.print(verdict)
+    return 0

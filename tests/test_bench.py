@@ -1,0 +1,296 @@
+"""`paratrain bench` without running workers: combinations, recommendation, reports, chart.
+
+The end-to-end runs (real worker processes, ddp over gloo, out-of-memory) are in
+test_bench_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.bench.chart import write_chart
+from paratrain.bench.combos import (
+    Combo,
+    default_precisions,
+    enumerate_combos,
+    parse_batch_sizes,
+    parse_precision_list,
+    parse_strategy_list,
+)
+from paratrain.bench.crossover import crossover_size, measure_crossover
+from paratrain.bench.placement import measure_placement
+from paratrain.bench.recommend import Candidate, recommend
+from paratrain.bench.report import BENCH_JSON, check_out, report_dict, write_json
+from paratrain.bench.runner import BenchReport, BenchSettings, RunResult
+from paratrain.bench.task import TaskSource
+from paratrain.bench.worker import collect
+from paratrain.cli import main
+from paratrain.errors import UserError
+from paratrain.strategies import registry
+from paratrain.strategies.base import Strategy
+
+no_gpu = pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(),
+    reason="checks what a machine without a GPU reports",
+)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# -- combinations ------------------------------------------------------------------------------
+@no_gpu
+def test_combos_run_what_the_machine_supports_and_say_why_not_the_rest() -> None:
+    combos = enumerate_combos(["cpu", "ddp", "dp", "dp-balanced", "cuda"], ["32"], [1, 8], "2")
+    by = {(c.strategy, c.batch_size): c for c in combos}
+    assert by["cpu", 1].skip_reason is None and by["cpu", 8].skip_reason is None
+    assert by["cpu", 8].device_names == ("cpu",)  # a one-device strategy ignores --devices 2
+    assert by["ddp", 8].skip_reason is None and by["ddp", 8].processes == 2
+    assert "smaller than the 2 devices" in str(by["ddp", 1].skip_reason)
+    # dp and cuda cannot run at all here: one row each, with the reason
+    assert "CUDA" in str(by["dp", 1].skip_reason) and ("dp", 8) not in by
+    assert "CUDA" in str(by["cuda", 1].skip_reason)
+    # --devices 2 means two CUDA GPUs to the balanced DataParallel: skipped, with its message
+    assert "CUDA" in str(by["dp-balanced", 1].skip_reason)
+    balanced = enumerate_combos(["dp-balanced"], ["32"], [8], "cpu,cpu")[0]
+    assert balanced.skip_reason is None and balanced.device_names == ("cpu", "cpu")
+
+
+@no_gpu
+def test_default_combos_are_every_available_strategy_at_native_precisions() -> None:
+    combos = enumerate_combos(None, None, [32], None)
+    runnable = {(c.strategy, c.precision) for c in combos if c.skip_reason is None}
+    skipped = {c.strategy for c in combos if c.skip_reason is not None}
+    precisions = default_precisions("cpu")
+    assert precisions[0] == "32"
+    assert runnable == {(s, p) for s in ("cpu", "ddp") for p in precisions}
+    assert {"cuda", "dp", "mps", "dp-balanced"} <= skipped
+    balanced = next(c for c in combos if c.strategy == "dp-balanced")
+    assert "test layout" in str(balanced.skip_reason)
+    ddp = next(c for c in combos if c.strategy == "ddp")
+    assert ddp.devices == "cpu,cpu" and ddp.processes == 2
+
+
+class _MetaStrategy(Strategy):
+    """A strategy registered only for this test: its device has no autocast."""
+
+    name = "test-meta"
+    description = "test only"
+
+    @classmethod
+    def resolve_devices(cls, spec: str | None) -> list[torch.device]:
+        return [torch.device("meta")]
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+def test_a_newly_registered_strategy_is_benched_and_its_precisions_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(registry._REGISTRY, _MetaStrategy.name, _MetaStrategy)
+    combos = enumerate_combos(["test-meta"], ["32", "bf16"], [4], None)
+    assert [c.precision for c in combos] == ["32", "bf16"]
+    assert combos[0].skip_reason is None
+    assert "autocast is not available on meta" in str(combos[1].skip_reason)
+
+
+def test_lists_are_parsed_and_bad_entries_named() -> None:
+    assert parse_strategy_list("cpu, ddp,cpu") == ["cpu", "ddp"]
+    assert parse_precision_list("fp32,bf16-mixed,16") == ["32", "bf16", "fp16"]
+    assert parse_batch_sizes("8,16,8") == [8, 16]
+    assert parse_strategy_list(None) is None
+    with pytest.raises(UserError, match="valid strategies"):
+        parse_strategy_list("cpu,warp")
+    with pytest.raises(UserError, match="at least 1"):
+        parse_batch_sizes("8,0")
+    with pytest.raises(UserError, match="not a number"):
+        parse_batch_sizes("8,x")
+    with pytest.raises(UserError, match="valid precisions"):
+        parse_precision_list("int8")
+
+
+# -- the recommendation ------------------------------------------------------------------------
+def test_recommendation_picks_the_fastest_with_its_margin() -> None:
+    rec = recommend(
+        [
+            Candidate("cpu 32", "ok", [100, 102, 101]),
+            Candidate("ddp 32", "ok", [150, 149, 151]),
+            Candidate("cpu bf16", "ok", [120, 121, 119]),
+        ]
+    )
+    assert rec.winner == "ddp 32" and rec.runner_up == "cpu bf16"
+    assert not rec.tie
+    assert rec.margin == pytest.approx(150 / 120 - 1)
+    assert "25.0% faster than cpu bf16" in rec.message
+
+
+def test_overlapping_ranges_are_a_tie() -> None:
+    rec = recommend([Candidate("a", "ok", [100, 110, 90]), Candidate("b", "ok", [105, 95, 100])])
+    assert rec.tie and rec.winner in ("a", "b") and "tie" in rec.message
+
+
+def test_a_difference_smaller_than_the_spread_is_a_tie() -> None:
+    # Ranges do not overlap, but 5 samples/s apart with a spread of 20 is noise.
+    rec = recommend([Candidate("a", "ok", [95, 115, 105]), Candidate("b", "ok", [94, 100, 93])])
+    assert rec.winner == "a" and rec.tie
+
+
+def test_out_of_memory_and_skipped_are_excluded_however_fast() -> None:
+    rec = recommend(
+        [
+            Candidate("big batch", "oom", [10_000]),
+            Candidate("dp", "skipped"),
+            Candidate("cpu", "ok", [50, 51]),
+            Candidate("ddp", "error"),
+        ]
+    )
+    assert rec.winner == "cpu" and rec.runner_up is None and rec.margin is None
+    assert rec.excluded == {"big batch": "oom", "dp": "skipped", "ddp": "error"}
+    assert "the only combination that ran" in rec.message
+
+
+def test_nothing_to_recommend_when_all_are_skipped() -> None:
+    rec = recommend([Candidate("dp", "skipped"), Candidate("cuda", "skipped")])
+    assert rec.winner is None and "nothing to recommend" in rec.message
+    assert recommend([]).winner is None
+
+
+# -- merging the processes' records ------------------------------------------------------------
+def _record(tmp: Path, rank: int, **fields: object) -> None:
+    memory = {"host": {"rank": rank, "peak_rss_bytes": 1000 + rank}, "devices": []}
+    (tmp / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "memory": memory, **fields}))
+
+
+def test_a_group_is_as_slow_as_its_slowest_process(tmp_path: Path) -> None:
+    _record(tmp_path, 0, status="ok", seconds=[1.0, 3.0], gathered_bytes_per_step=None)
+    _record(tmp_path, 1, status="ok", seconds=[2.0, 1.5])
+    merged = collect(tmp_path, 2)
+    assert merged["status"] == "ok" and merged["seconds"] == [2.0, 3.0]
+    assert [h["peak_rss_bytes"] for h in merged["memory"]["host"]] == [1000, 1001]
+
+
+def test_out_of_memory_on_one_rank_explains_the_others_error(tmp_path: Path) -> None:
+    _record(tmp_path, 0, status="error", reason="RuntimeError: Connection closed by peer")
+    _record(tmp_path, 1, status="oom", reason="OutOfMemoryError: CUDA out of memory")
+    merged = collect(tmp_path, 2)
+    assert merged["status"] == "oom" and "out of memory" in merged["reason"]
+
+
+def test_a_missing_rank_is_an_error(tmp_path: Path) -> None:
+    _record(tmp_path, 0, status="ok", seconds=[1.0])
+    merged = collect(tmp_path, 2)
+    assert merged["status"] == "error" and "1 of 2" in merged["reason"]
+
+
+# -- outputs -------------------------------------------------------------------------------------
+def _report() -> BenchReport:
+    settings = BenchSettings(TaskSource(recipe="digits"), steps=10)
+    spec = {"steps": 10}
+    fast = RunResult(Combo("ddp", "32", 32, "2", ("cpu", "cpu"), 2), "ok", spec=spec)
+    fast.seconds, fast.retimed_seconds = [0.10, 0.11], [0.12]
+    fast.memory = {
+        "devices": [],
+        "host": [{"rank": 0, "peak_rss_bytes": 3 << 28}, {"rank": 1, "peak_rss_bytes": 3 << 28}],
+    }
+    slow = RunResult(Combo("cpu", "32", 32, None, ("cpu",)), "ok", spec=spec)
+    slow.seconds = [0.3, 0.31]
+    slow.memory = {"devices": [], "host": [{"rank": 0, "peak_rss_bytes": 300 << 20}]}
+    oom = RunResult(Combo("cpu", "32", 4096, None, ("cpu",)), "oom", "MemoryError", spec=spec)
+    skipped = RunResult(Combo("dp", "-", 32, "2"), "skipped", "this machine has no CUDA GPU")
+    results = [fast, slow, oom, skipped]
+    rec = recommend([r.candidate() for r in results])
+    return BenchReport(settings, results, rec, "t0", "t1", 1.0, 1437)
+
+
+def test_bench_json_holds_results_hardware_versions_and_every_configuration(
+    tmp_path: Path,
+) -> None:
+    data = json.loads(write_json(_report(), tmp_path).read_text())
+    for key in ("machine", "versions", "settings", "results", "recommendation", "started_at"):
+        assert key in data
+    assert data["machine"]["cpu_cores"] >= 1 and data["versions"]["torch"] == torch.__version__
+    first = data["results"][0]
+    assert first["label"] == "ddpx2 32 b32" and first["status"] == "ok"
+    assert first["samples_per_second"]["repeats"] == pytest.approx(
+        [3200.0, 2909.09, 2666.67], rel=1e-4
+    )
+    assert isinstance(first["samples_per_second"]["median"], float)
+    assert first["combination"]["device_names"] == ["cpu", "cpu"]
+    assert first["config"] == {"steps": 10}
+    assert data["results"][2]["status"] == "oom" and data["results"][2]["reason"] == "MemoryError"
+    assert data["results"][3]["samples_per_second"] is None
+    assert data["recommendation"]["winner"] == "ddpx2 32 b32"
+    assert data["recommendation"]["excluded"] == {"cpu 32 b4096": "oom", "dp": "skipped"}
+    assert report_dict(_report())["task"] == {"name": "digits", "train_samples": 1437}
+
+
+def test_out_refuses_to_replace_a_bench_json(tmp_path: Path) -> None:
+    (tmp_path / BENCH_JSON).write_text("{}")
+    with pytest.raises(UserError, match="--overwrite"):
+        check_out(tmp_path, overwrite=False)
+    assert check_out(tmp_path, overwrite=True) == tmp_path
+    assert (tmp_path / BENCH_JSON).read_text() == "{}"  # replaced only once results exist
+    with pytest.raises(UserError, match="is a file"):
+        check_out(tmp_path / BENCH_JSON, overwrite=True)
+
+
+def test_chart_is_a_png(tmp_path: Path) -> None:
+    assert write_chart(_report(), tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_without_matplotlib_no_chart_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    assert not write_chart(_report(), tmp_path / "bench.png")
+    assert not (tmp_path / "bench.png").exists()
+
+
+# -- micro-benchmarks ------------------------------------------------------------------------------
+@no_gpu
+@pytest.mark.parametrize("which", ["placement", "crossover"])
+def test_micro_benchmarks_say_there_is_no_gpu_and_exit_0(
+    which: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", which]) == 0
+    assert "no GPU (CUDA or MPS)" in capsys.readouterr().out
+
+
+def test_micro_benchmarks_refuse_the_cpu_as_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "crossover", "--device", "cpu"]) == 2
+    assert "choose a GPU" in capsys.readouterr().err
+
+
+def test_crossover_is_where_the_gpu_starts_winning_for_good() -> None:
+    sizes = [64, 128, 256, 512]
+    assert crossover_size(sizes, [1, 2, 4, 8], [3, 3, 3, 3]) == 256
+    assert crossover_size(sizes, [1, 2, 4, 8], [0.5, 3, 3, 3]) == 256  # an early fluke
+    assert crossover_size(sizes, [1, 2, 4, 8], [2, 3, 5, 9]) is None
+    assert crossover_size(sizes, [1, 2, 4, 8], [2, 1, 5, 9]) is None  # loses again
+
+
+def test_micro_benchmark_measurements_have_their_rows() -> None:
+    # The functions take any device; on the CPU this checks their shape, not their speed.
+    rows = measure_placement(torch.device("cpu"), size=32, repeats=2)
+    assert [r.seconds is None for r in rows] == [False, False, False, False, True]
+    assert rows[0].bytes_moved == 32 * 32 * 4 and rows[0].gb_per_second is not None
+    cross = measure_crossover(torch.device("cpu"), [8, 16], repeats=2)
+    assert [r.size for r in cross] == [8, 16] and cross[1].cpu.count == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_micro_benchmarks_run_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "placement", "--size", "2048", "--repeats", "3", "--json"]) == 0
+    placement = json.loads(capsys.readouterr().out)
+    pinned = next(r for r in placement["rows"] if r["name"].startswith("copy pinned"))
+    assert pinned["gb_per_second"] > 0
+    assert main(["bench", "crossover", "--sizes", "64,2048", "--repeats", "2", "--json"]) == 0
+    crossover = json.loads(capsys.readouterr().out)
+    assert [r["size"] for r in crossover["rows"]] == [64, 2048]
