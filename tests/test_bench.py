@@ -135,9 +135,17 @@ def test_overlapping_ranges_are_a_tie() -> None:
 
 
 def test_a_difference_smaller_than_the_spread_is_a_tie() -> None:
-    # Ranges do not overlap, but 5 samples/s apart with a spread of 20 is noise.
-    rec = recommend([Candidate("a", "ok", [95, 115, 105]), Candidate("b", "ok", [94, 100, 93])])
+    # Ranges do not overlap, but 17 samples/s apart with spreads of 29 and 20 is noise.
+    rec = recommend([Candidate("a", "ok", [111, 140, 125]), Candidate("b", "ok", [90, 110, 108])])
     assert rec.winner == "a" and rec.tie
+
+
+def test_one_outlier_window_does_not_make_a_tie() -> None:
+    # The winner's range is wide only because of one fast window; the gap is real.
+    fast = [73_000, 82_000, 70_000, 82_000, 54_000, 111_000]
+    slow = [31_000, 23_000, 33_500, 37_000, 40_000, 35_500]
+    rec = recommend([Candidate("a", "ok", fast), Candidate("b", "ok", slow)])
+    assert rec.winner == "a" and not rec.tie
 
 
 def test_out_of_memory_and_skipped_are_excluded_however_fast() -> None:

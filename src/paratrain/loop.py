@@ -76,21 +76,7 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     plain_loss = recipe.build_loss()
     model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss)
     scheduler = recipe.build_scheduler(optimizer, cfg) if recipe.build_scheduler else None
-    # Loaders with their own generator: starting an epoch draws no number from the global
-    # one, so a run resumed mid-epoch draws the same random numbers as one that never stopped.
-    train_loader = rt.setup_loader(
-        DataLoader(
-            train_set,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            drop_last=recipe.drop_last,
-            generator=torch.Generator().manual_seed(cfg.seed),
-        )
-    )
-    test_loader = rt.setup_loader(
-        DataLoader(test_set, batch_size=cfg.batch_size, generator=torch.Generator()),
-        evaluation=True,
-    )
+    train_loader, test_loader = _loaders(rt, cfg, recipe.drop_last, train_set, test_set)
     batches_per_epoch = len(train_loader)
     parts = TrainingParts(model, optimizer, scheduler, rt.precision.scaler)
     resumed = cfg.resume_from is not None
@@ -147,11 +133,7 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
                     break
             if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
                 saver.save(epoch, batch, step, loss_sum, count)
-            totals = rt.all_reduce(
-                torch.stack([loss_sum, torch.tensor(float(count), device=rt.device).double()]),
-                "sum",
-            ).cpu()
-            train_loss = totals[0].item() / max(totals[1].item(), 1.0)
+            train_loss = _mean_over_processes(rt, loss_sum, count)
             eval_loss, accuracy = evaluate(
                 rt, model, test_loader, plain_loss, recipe.classification
             )
@@ -174,12 +156,37 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     )
     if writer is not None and directory is not None:
         writer.close()
-        save_weights(model, directory / rundir.WEIGHTS)
-        payload = _config_payload(rt, cfg, "finished")
-        payload["summary"] = summary.__dict__
-        rundir.write_config(directory, payload)
+        _finish(rt, cfg, model, directory, summary)
     rt.barrier()
     return summary
+
+
+def _loaders(
+    rt: Runtime, cfg: TrainConfig, drop_last: bool, train_set: Any, test_set: Any
+) -> tuple[DeviceLoader, DeviceLoader]:
+    """The training loader (shuffled, global batches) and the evaluation loader."""
+    train_loader = rt.setup_loader(
+        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=drop_last)
+    )
+    test_loader = rt.setup_loader(DataLoader(test_set, batch_size=cfg.batch_size), evaluation=True)
+    return train_loader, test_loader
+
+
+def _mean_over_processes(rt: Runtime, loss_sum: torch.Tensor, count: int) -> float:
+    """The epoch's mean training loss over every sample of every process."""
+    counted = torch.tensor(float(count), dtype=torch.float64, device=rt.device)
+    totals = rt.all_reduce(torch.stack([loss_sum, counted]), "sum").cpu()
+    return totals[0].item() / max(totals[1].item(), 1.0)
+
+
+def _finish(
+    rt: Runtime, cfg: TrainConfig, model: nn.Module, directory: Path, summary: Summary
+) -> None:
+    """The final weights, then config.json marked finished with the summary."""
+    save_weights(model, directory / rundir.WEIGHTS)
+    payload = _config_payload(rt, cfg, "finished")
+    payload["summary"] = summary.__dict__
+    rundir.write_config(directory, payload)
 
 
 def _record(

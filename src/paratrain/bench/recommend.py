@@ -43,9 +43,9 @@ class Recommendation:
 
 def is_tie(winner: Spread, runner_up: Spread) -> bool:
     """Within the noise: the min-max ranges overlap, or the medians differ by less than the
-    wider of the two spreads."""
+    narrower of the two spreads (the wider one may stem from a single outlier window)."""
     difference = winner.median - runner_up.median
-    return winner.overlaps(runner_up) or difference < max(winner.width, runner_up.width)
+    return winner.overlaps(runner_up) or difference < min(winner.width, runner_up.width)
 
 
 def recommend(candidates: Sequence[Candidate]) -> Recommendation:
