@@ -58,7 +58,7 @@ def test_digits_default_run_writes_the_output_contract(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    code, stdout, _ = train(capsys, out, "--epochs", "2")
+    code, stdout, _ = train(capsys, out, "--epochs", "3")
     assert code == 0
     assert "test accuracy" in stdout
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -66,7 +66,7 @@ def test_digits_default_run_writes_the_output_contract(
     for line in lines:
         assert {"epoch", "step", "split", "loss"} <= set(line)
     evals = [line for line in lines if line["split"] == "eval"]
-    assert len(evals) == 2 and all(0.0 <= line["accuracy"] <= 1.0 for line in evals)
+    assert len(evals) == 3 and all(0.0 <= line["accuracy"] <= 1.0 for line in evals)
     assert evals[-1]["accuracy"] > 0.8
     weights = load_file(str(out / "model.safetensors"))
     assert weights and not any(k.startswith(("module.", "_orig_mod.")) for k in weights)

@@ -160,25 +160,23 @@ LAYOUTS: dict[str, Callable[[nn.Module], nn.Module]] = {
 }
 
 
-def _load_in_rank(rank: int, port: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        model = DistributedDataParallel(fresh(seed=10 + rank))
-        assert paratrain.load_weights(model, path).ok
-        assert_same_weights(model, reference())
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(2)]
-        dist.all_gather(gathered, flat)
-        assert torch.equal(gathered[0], gathered[1])
-    finally:
-        dist.destroy_process_group()
+def _load_in_rank(rt: paratrain.Runtime, path: str) -> bool:
+    """Runs in each of the ddp processes: load into the DDP model rt.setup made."""
+    model = rt.setup(fresh(seed=10 + rt.rank))
+    assert isinstance(model, DistributedDataParallel)
+    assert paratrain.load_weights(model, path).ok
+    assert_same_weights(model, reference())
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = rt.all_gather(flat)
+    return torch.equal(gathered[0], gathered[1])
 
 
 @pytest.mark.slow
 def test_loads_into_ddp_in_two_gloo_processes(sources: dict[str, Any]) -> None:
     """Every rank reads the same DataParallel-saved file into its DDP model."""
     path = str(sources["module. (DataParallel)"])
-    torch.multiprocessing.spawn(_load_in_rank, args=(_free_port(), path), nprocs=2)
+    runtime = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    assert runtime.launch(_load_in_rank, path) is True
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
