@@ -16,7 +16,8 @@ import importlib.util
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +40,13 @@ def make_parts(batch: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer
     return model, optimizer, loader
 
 
-def plain_pytorch(batch: int, steps: int) -> EpochFn:
-    model, optimizer, loader = make_parts(batch, steps)
+def epoch_fn(
+    loader: Iterable[Any],
+    model: nn.Module,
+    optimizer: Any,
+    backward: Callable[[torch.Tensor], None],
+) -> EpochFn:
+    """The same loop for every contender; only how the parts were prepared differs."""
     loss_fn = nn.CrossEntropyLoss()
 
     def epoch() -> int:
@@ -48,12 +54,17 @@ def plain_pytorch(batch: int, steps: int) -> EpochFn:
         for x, y in loader:
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
-            loss.backward()
+            backward(loss)
             optimizer.step()
             n += 1
         return n
 
     return epoch
+
+
+def plain_pytorch(batch: int, steps: int) -> EpochFn:
+    model, optimizer, loader = make_parts(batch, steps)
+    return epoch_fn(loader, model, optimizer, torch.Tensor.backward)
 
 
 def paratrain_runtime(batch: int, steps: int) -> EpochFn:
@@ -63,19 +74,7 @@ def paratrain_runtime(batch: int, steps: int) -> EpochFn:
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = rt.setup(model, optimizer)
     device_loader = rt.setup_loader(loader)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def epoch() -> int:
-        n = 0
-        for x, y in device_loader:
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            rt.backward(loss)
-            optimizer.step()
-            n += 1
-        return n
-
-    return epoch
+    return epoch_fn(device_loader, model, optimizer, rt.backward)
 
 
 def accelerate_loop(batch: int, steps: int) -> EpochFn:
@@ -84,19 +83,7 @@ def accelerate_loop(batch: int, steps: int) -> EpochFn:
     accelerator = Accelerator(cpu=True)
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def epoch() -> int:
-        n = 0
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-            n += 1
-        return n
-
-    return epoch
+    return epoch_fn(loader, model, optimizer, accelerator.backward)
 
 
 def fabric_loop(batch: int, steps: int) -> EpochFn:
@@ -106,19 +93,7 @@ def fabric_loop(batch: int, steps: int) -> EpochFn:
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(loader)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def epoch() -> int:
-        n = 0
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            fabric.backward(loss)
-            optimizer.step()
-            n += 1
-        return n
-
-    return epoch
+    return epoch_fn(loader, model, optimizer, fabric.backward)
 
 
 CONTENDERS: dict[str, tuple[Callable[[int, int], EpochFn], str | None]] = {
