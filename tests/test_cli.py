@@ -122,6 +122,7 @@ def test_cifar_recipe_from_a_data_dir(capsys: pytest.CaptureFixture[str], tmp_pa
         (["--precision", "fp8"], "valid precisions"),
         (["--devices", "0"], "must be at least 1"),
         (["--synthetic", "10"], "uses its own data"),
+        (["--sync-batchnorm"], "use --strategy ddp or drop --sync-batchnorm"),
         (["--recipe", "cifar10-resnet18"], "--data-dir DIR"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--epochs", "x"], "invalid int value"),

@@ -10,7 +10,7 @@ from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.recipes import DEFAULT_RECIPE, get_recipe
 from paratrain.runtime import RuntimeConfig
-from paratrain.strategies import build_strategy
+from paratrain.strategies import build_strategy, check_sync_batchnorm
 
 
 @dataclass
@@ -67,6 +67,7 @@ class TrainConfig:
             raise UserError(f"--lr must be a positive number, got {cfg.lr}")
         recipe.check_data_options(cfg.data_dir, cfg.synthetic)
         strategy = build_strategy(cfg.strategy, cfg.devices)
+        check_sync_batchnorm(strategy, cfg.sync_batchnorm)
         assert cfg.batch_size is not None
         if cfg.batch_size < len(strategy.devices):
             raise UserError(

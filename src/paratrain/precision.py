@@ -42,16 +42,16 @@ def precision_unavailable_reason(name: str, device: torch.device) -> str | None:
     return None
 
 
-def _to_float32(output: Any) -> Any:
+def to_float32(output: Any) -> Any:
     """Outputs leave the autocast region as float32, so the loss is computed precisely."""
     if isinstance(output, torch.Tensor):
         return output.float() if output.is_floating_point() else output
     if isinstance(output, tuple) and hasattr(output, "_fields"):
-        return type(output)(*(_to_float32(o) for o in output))
+        return type(output)(*(to_float32(o) for o in output))
     if isinstance(output, (list, tuple)):
-        return type(output)(_to_float32(o) for o in output)
+        return type(output)(to_float32(o) for o in output)
     if isinstance(output, dict):
-        return type(output)((k, _to_float32(v)) for k, v in output.items())
+        return type(output)((k, to_float32(v)) for k, v in output.items())
     return output
 
 
@@ -85,7 +85,7 @@ class Precision:
         def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
             with autocast():
                 output = forward(*args, **kwargs)
-            return _to_float32(output)
+            return to_float32(output)
 
         model.forward = forward_in_autocast
         return model

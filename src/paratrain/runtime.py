@@ -30,7 +30,12 @@ from paratrain.optim import RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
 from paratrain.seeding import seed_everything
-from paratrain.strategies import Strategy, build_strategy, strategy_names
+from paratrain.strategies import (
+    Strategy,
+    build_strategy,
+    check_sync_batchnorm,
+    strategy_names,
+)
 from paratrain.strategies.base import ReduceOp
 
 T = TypeVar("T")
@@ -82,6 +87,7 @@ class Runtime:
             strategy, spec, normalize_precision(precision), seed, accumulate, sync_batchnorm
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec)
+        check_sync_batchnorm(self.strategy, sync_batchnorm)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.accumulate_steps = accumulate
         self.seed = seed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.devices import cuda_count, mps_available, parse_count, parse_device_list
+from paratrain.errors import UserError
 from paratrain.strategies import cpu, cuda, ddp, dp, dp_balanced, mps  # noqa: F401  (registration)
 from paratrain.strategies.base import Collective, Strategy
 from paratrain.strategies.distributed import launched
@@ -21,6 +22,7 @@ __all__ = [
     "Collective",
     "Strategy",
     "build_strategy",
+    "check_sync_batchnorm",
     "describe_strategies",
     "register",
     "resolve_auto",
@@ -48,6 +50,15 @@ def _device_count(spec: str | None) -> int | None:
         return None
     count = parse_count(spec)
     return count if count is not None else len(parse_device_list(spec))
+
+
+def check_sync_batchnorm(strategy: Strategy, sync_batchnorm: bool) -> None:
+    """SyncBatchNorm elsewhere than across processes would silently be plain BatchNorm."""
+    if sync_batchnorm and not strategy.syncs_batchnorm:
+        raise UserError(
+            f"--sync-batchnorm synchronizes BatchNorm across processes, which strategy "
+            f"{strategy.name} does not have; use --strategy ddp or drop --sync-batchnorm"
+        )
 
 
 def build_strategy(name: str, devices: str | int | None) -> Strategy:

@@ -49,6 +49,8 @@ class Strategy(ABC):
     description: ClassVar[str]
     #: the loss function must be handed to ``Runtime.setup`` (the balanced DataParallel).
     needs_loss_fn: ClassVar[bool] = False
+    #: BatchNorm statistics can be synchronized across this strategy's processes.
+    syncs_batchnorm: ClassVar[bool] = False
 
     def __init__(self, devices: list[torch.device]) -> None:
         self.devices = devices

@@ -45,6 +45,7 @@ from paratrain.strategies.sync_batchnorm import make_cpu_compatible
 @register
 class DDPStrategy(Strategy):
     name = "ddp"
+    syncs_batchnorm = True
     description = "DistributedDataParallel, one process per device (nccl on CUDA, gloo on CPU)"
 
     def __init__(

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
-from paratrain.precision import _to_float32
+from paratrain.precision import to_float32
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.dp import resolve_parallel_devices
 from paratrain.strategies.parallel_apply import (
@@ -122,7 +122,7 @@ class BalancedDataParallel(nn.DataParallel[nn.Module]):
         parts = parallel_apply(modules, args, kwargs_parts, devices)
         if any(torch.is_autocast_enabled(kind) for kind in AUTOCAST_DEVICE_TYPES):
             # Outputs leave the autocast region as float32, as with every other strategy.
-            parts = [_to_float32(part) for part in parts]
+            parts = [to_float32(part) for part in parts]
         return PerDeviceOutputs(parts, devices, sizes, self.meter)
 
 
