@@ -10,10 +10,16 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
 )
+
+
+def stderr_progress(*columns: ProgressColumn) -> Progress:
+    """A transient progress bar on stderr (stdout stays for results), elapsed time last."""
+    return Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
 
 class TrainProgress:
@@ -27,15 +33,12 @@ class TrainProgress:
         self._last_refresh = 0.0
         self._start = time.perf_counter()
         if enabled:
-            self._progress = Progress(
+            self._progress = stderr_progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[speed]} samples/s"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=True,
             )
 
     def __enter__(self) -> TrainProgress:

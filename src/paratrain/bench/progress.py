@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+
+from paratrain.progress import stderr_progress
 
 
 class BenchProgress:
@@ -20,14 +14,11 @@ class BenchProgress:
         self._progress: Progress | None = None
         self._task = TaskID(0)
         if enabled:
-            self._progress = Progress(
+            self._progress = stderr_progress(
                 TextColumn("[bold]bench"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=True,
             )
 
     def __enter__(self) -> BenchProgress:
