@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import paratrain
 from paratrain import rundir
 from paratrain.checkpoint import LoadReport, WeightsMismatchError, read_checkpoint
 from paratrain.errors import UserError
+from paratrain.launch import free_port
 from paratrain.weights import save_weights, unwrap_model
 
 # torch.compile's imports warn about TorchScript; nothing here uses it
@@ -127,18 +127,12 @@ SOURCE_NAMES = [
 # -- layouts ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def gloo_group() -> Iterator[None]:
     """A real one-process gloo group in this process, torn down after the test."""
     assert not dist.is_initialized()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         yield
