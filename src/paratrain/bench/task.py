@@ -71,16 +71,15 @@ def _load_recipe(source: TaskSource) -> BenchTask:
 
     assert source.recipe is not None
     recipe = get_recipe(source.recipe)
-    recipe.check_data_options(source.data_dir, source.synthetic)
+    # The recipe's defaults and data checks, as `paratrain train` resolves them; the layout
+    # is chosen per benchmarked combination, so any strategy will do here.
     cfg = TrainConfig(
         recipe=recipe.name,
-        lr=recipe.lr,
-        batch_size=recipe.batch_size,
-        epochs=recipe.epochs,
+        strategy="cpu",
         seed=source.seed,
         data_dir=source.data_dir,
         synthetic=source.synthetic,
-    )
+    ).resolved()
     train_set, _ = recipe.build_data(cfg)
     return BenchTask(
         model=recipe.build_model(cfg),
