@@ -24,7 +24,13 @@ from paratrain.config import TrainConfig
 from paratrain.devices import cpu_name
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
-from paratrain.training_state import Checkpointer, Position, TrainingParts, load_checkpoint
+from paratrain.training_state import (
+    Checkpointer,
+    Position,
+    ProcessLayout,
+    TrainingParts,
+    load_checkpoint,
+)
 
 BATCHES_PER_EPOCH = 195  # CIFAR-10's 50,000 images in batches of 256
 
@@ -42,7 +48,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     args = parser.parse_args()
-    cfg = TrainConfig(recipe="cifar10-resnet18", synthetic=8).resolved()
+    cfg = TrainConfig(recipe="cifar10-resnet18", synthetic=8).resolved(get_recipe)
     rt = Runtime(strategy="cpu")
     parts = build(rt, cfg)
     # One step, so that the optimizer holds its momentum buffers as during training.
@@ -52,7 +58,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         run = Path(tmp)
-        saver = Checkpointer(rt, run, cfg, parts, BATCHES_PER_EPOCH, Position())
+        layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
+        saver = Checkpointer(layout, run, cfg, parts, BATCHES_PER_EPOCH, Position())
         writes, reads = [], []
         for round_ in range(args.rounds + 1):  # the first round warms up
             start = time.perf_counter()
@@ -61,7 +68,7 @@ def main() -> None:
             assert path is not None
             fresh = build(rt, cfg)
             start = time.perf_counter()
-            load_checkpoint(rt, path, fresh, BATCHES_PER_EPOCH)
+            load_checkpoint(layout, path, fresh, BATCHES_PER_EPOCH)
             if round_:
                 writes.append(elapsed)
                 reads.append(time.perf_counter() - start)

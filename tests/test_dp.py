@@ -120,7 +120,7 @@ def _peak_memory(name: str, devices: str) -> tuple[list[int], int]:
     bytes gathered on the first device in the last step."""
     cfg = TrainConfig(
         recipe="cifar10-resnet18", synthetic=512, strategy=name, devices=devices, progress=False
-    ).resolved()
+    ).resolved(get_recipe)
     rt = paratrain.Runtime.from_config(cfg.runtime_config())
     recipe = get_recipe(cfg.recipe)
     train_set, _ = recipe.build_data(cfg)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
 from paratrain.errors import PlacementError, UserError
 from paratrain.runtime import Runtime, RuntimeConfig
 from paratrain.strategies import strategy_names
+from paratrain.version import __version__
 
 
 def strategies() -> list[str]:

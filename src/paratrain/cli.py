@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from paratrain.commands import COMMAND_MODULES
 from paratrain.errors import LaunchError, UserError
+from paratrain.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,8 +21,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from paratrain import __version__
-
     parser = _Parser(
         prog="paratrain",
         description="Train PyTorch models on any device layout with the same code.",

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
-from paratrain.recipes import DEFAULT_RECIPE, get_recipe
 from paratrain.runtime import RuntimeConfig
 from paratrain.strategies import build_strategy, check_sync_batchnorm
+
+DEFAULT_RECIPE = "digits"
+
+
+class RecipeDefaults(Protocol):
+    """What resolving a configuration needs to know of its recipe."""
+
+    @property
+    def epochs(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def lr(self) -> float: ...
+
+    def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None: ...
+
+
+#: looks a recipe up by name, or raises ``UserError`` (``paratrain.recipes.get_recipe``)
+RecipeLookup = Callable[[str], RecipeDefaults]
 
 
 @dataclass
@@ -39,13 +60,14 @@ class TrainConfig:
     #: the checkpoint directory this run continues from (set by ``--resume``)
     resume_from: str | None = None
 
-    def resolved(self) -> TrainConfig:
+    def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
 
-        Builds the strategy once to check strategy, devices and batch arithmetic here,
-        before any process or process group exists.
+        ``recipes`` finds the recipe by name (``paratrain.recipes.get_recipe``). Builds the
+        strategy once to check strategy, devices and batch arithmetic here, before any
+        process or process group exists.
         """
-        recipe = get_recipe(self.recipe)
+        recipe = recipes(self.recipe)
         cfg = dataclasses.replace(
             self,
             epochs=recipe.epochs if self.epochs is None else self.epochs,

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import UserError
+from paratrain.version import __version__
 
 
 def cuda_count() -> int:
@@ -118,8 +119,6 @@ def cpu_name() -> str:
 
 def machine_info() -> MachineInfo:
     """Everything `paratrain info` reports (seed 003's queries, and a few more)."""
-    from paratrain import __version__
-
     devices = [DeviceInfo(name=cpu_name(), type="cpu")]
     for index in range(cuda_count()):
         props = torch.cuda.get_device_properties(index)

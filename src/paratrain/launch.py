@@ -7,7 +7,8 @@ Three ways, all PyTorch's own machinery:
   runs here;
 * several processes and none started yet: ``torch.multiprocessing`` spawns them (start
   method ``spawn``) with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and ``MASTER_ADDR=127.0.0.1``
-  / ``MASTER_PORT`` set to a free port; each rebuilds the runtime from ``rt.config``;
+  / ``MASTER_PORT`` set to a free port; each builds its own runtime with the picklable
+  ``rebuild`` it is given (``Runtime.from_config`` bound to the run's configuration);
 * ``paratrain run SCRIPT``: ``torch.distributed.run`` (torchrun's API) with a standalone
   rendezvous on 127.0.0.1.
 
@@ -27,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.multiprocessing as mp
@@ -36,10 +37,25 @@ from torch.multiprocessing.spawn import ProcessException
 from paratrain.errors import LaunchError, UserError
 from paratrain.strategies.distributed import launched
 
-if TYPE_CHECKING:
-    from paratrain.runtime import Runtime, RuntimeConfig
-
 T = TypeVar("T")
+
+
+class ProcessRuntime(Protocol):
+    """What the launcher needs of the object each process trains with."""
+
+    def teardown(self) -> None: ...
+
+
+class MainProcess(Protocol):
+    """Who is the main process, and how it tells the others (a runtime or a collective)."""
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+
+R = TypeVar("R", bound=ProcessRuntime)
 
 #: seconds the other processes get to stop by themselves once one failed, before SIGTERM
 #: (and as much again before SIGKILL)
@@ -47,18 +63,22 @@ GRACE_SECONDS = 5.0
 _RESULT = "result.pkl"
 
 
-def launch(runtime: Runtime, fn: Callable[..., T], *args: Any) -> T | None:
-    """Run ``fn(runtime, *args)`` in every process the runtime's strategy needs.
+def launch(
+    runtime: R, processes: int, rebuild: Callable[[], R], fn: Callable[..., T], *args: Any
+) -> T | None:
+    """Run ``fn(runtime, *args)`` in ``processes`` processes.
+
+    Here, with ``runtime``, when one process is enough or a launcher already started this
+    one; otherwise in spawned processes that each call ``rebuild()`` for their own runtime.
 
     Returns ``fn``'s result in a one-process run and in a process a launcher started; after
     spawning processes, rank 0's result (it must be picklable). ``fn`` and ``args`` must be
     picklable too: define ``fn`` at the top level of a module, and guard the script's entry
     point with ``if __name__ == "__main__":``.
     """
-    processes = runtime.strategy.num_processes
     if processes == 1 or launched():
         return fn(runtime, *args)
-    return spawn(runtime.config, fn, args, processes)
+    return spawn(rebuild, fn, args, processes)
 
 
 def free_port() -> int:
@@ -68,10 +88,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn(config: RuntimeConfig, fn: Callable[..., T], args: tuple[Any, ...], nprocs: int) -> T:
-    """Start ``nprocs`` processes running ``fn(Runtime.from_config(config), *args)``."""
+def spawn(
+    rebuild: Callable[[], ProcessRuntime], fn: Callable[..., T], args: tuple[Any, ...], nprocs: int
+) -> T:
+    """Start ``nprocs`` processes running ``fn(rebuild(), *args)``."""
     try:
-        pickle.dumps((fn, args))
+        pickle.dumps((rebuild, fn, args))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise UserError(
             "rt.launch starts new processes and pickles the function and its arguments: "
@@ -80,7 +102,7 @@ def spawn(config: RuntimeConfig, fn: Callable[..., T], args: tuple[Any, ...], np
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as tmp:
         context = mp.start_processes(
             _worker,
-            args=(config, fn, args, nprocs, free_port(), tmp),
+            args=(rebuild, fn, args, nprocs, free_port(), tmp),
             nprocs=nprocs,
             join=False,
             start_method="spawn",
@@ -104,7 +126,7 @@ def spawn(config: RuntimeConfig, fn: Callable[..., T], args: tuple[Any, ...], np
 
 def _worker(
     rank: int,
-    config: RuntimeConfig,
+    rebuild: Callable[[], ProcessRuntime],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     nprocs: int,
@@ -124,10 +146,8 @@ def _worker(
     if "OMP_NUM_THREADS" not in os.environ:
         # Share the cores instead of every process using all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
-    from paratrain.runtime import Runtime
-
     try:
-        runtime = Runtime.from_config(config)
+        runtime = rebuild()
         result = fn(runtime, *args)
     except UserError as exc:
         # Bad input found late is still bad input: the parent re-raises it as such.
@@ -230,7 +250,7 @@ def run_script(script: str, script_args: Sequence[str], nprocs: int, env: dict[s
         raise LaunchError(f"{script} failed:\n{exc.format_msg().strip()}") from None
 
 
-def on_main(runtime: Runtime, fn: Callable[..., T], *args: Any) -> T:
+def on_main(runtime: MainProcess, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on the main process only; every process gets its result.
 
     A ``UserError`` it raises is raised in every process, so all of them stop alike.

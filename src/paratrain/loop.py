@@ -18,7 +18,13 @@ from paratrain.loaders import DeviceLoader
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
-from paratrain.training_state import Checkpointer, Position, TrainingParts, load_checkpoint
+from paratrain.training_state import (
+    Checkpointer,
+    Position,
+    ProcessLayout,
+    TrainingParts,
+    load_checkpoint,
+)
 from paratrain.weights import save_weights, unwrap_model
 
 
@@ -79,16 +85,17 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     train_loader, test_loader = _loaders(rt, cfg, recipe.drop_last, train_set, test_set)
     batches_per_epoch = len(train_loader)
     parts = TrainingParts(model, optimizer, scheduler, rt.precision.scaler)
+    layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
     resumed = cfg.resume_from is not None
     at = Position()
     if resumed:  # restores the random generators too: no random draw may come after this
-        at = load_checkpoint(rt, Path(str(cfg.resume_from)), parts, batches_per_epoch)
+        at = load_checkpoint(layout, Path(str(cfg.resume_from)), parts, batches_per_epoch)
     writer = None
     if directory is not None and rt.is_main:
         keep_lines = at.metrics_lines if resumed else None
         writer = rundir.MetricsWriter(directory / rundir.METRICS, keep_lines)
         rundir.write_config(directory, _config_payload(rt, cfg, "running"))
-    saver = Checkpointer(rt, directory, cfg, parts, batches_per_epoch, at, writer)
+    saver = Checkpointer(layout, directory, cfg, parts, batches_per_epoch, at, writer)
 
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs

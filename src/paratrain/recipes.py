@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -12,8 +12,16 @@ from torch.utils.data import Dataset, TensorDataset
 
 from paratrain.errors import UserError
 
-if TYPE_CHECKING:
-    from paratrain.config import TrainConfig
+
+class RecipeSettings(Protocol):
+    """What a recipe's builders read of the run's settings (the training configuration)."""
+
+    lr: float | None
+    seed: int
+    cifar_stem: bool
+    data_dir: str | None
+    synthetic: int | None
+
 
 Params = Iterator[nn.Parameter]
 Datasets = tuple[Dataset[Any], Dataset[Any]]
@@ -26,15 +34,15 @@ class Recipe:
     epochs: int
     batch_size: int
     lr: float
-    build_model: Callable[[TrainConfig], nn.Module]
-    build_data: Callable[[TrainConfig], Datasets]
-    build_optimizer: Callable[[Params, TrainConfig], torch.optim.Optimizer]
+    build_model: Callable[[RecipeSettings], nn.Module]
+    build_data: Callable[[RecipeSettings], Datasets]
+    build_optimizer: Callable[[Params, RecipeSettings], torch.optim.Optimizer]
     build_loss: Callable[[], nn.Module]
     classification: bool = True
     drop_last: bool = False
     uses_data_dir: bool = False
     #: an LR scheduler built after the runtime's setup, stepped once per optimizer step
-    build_scheduler: Callable[[torch.optim.Optimizer, TrainConfig], Any] | None = None
+    build_scheduler: Callable[[torch.optim.Optimizer, RecipeSettings], Any] | None = None
 
     def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None:
         if not self.uses_data_dir and (data_dir is not None or synthetic is not None):
@@ -52,7 +60,6 @@ class Recipe:
 
 
 _RECIPES: dict[str, Recipe] = {}
-DEFAULT_RECIPE = "digits"
 
 
 def register_recipe(recipe: Recipe) -> Recipe:
@@ -73,19 +80,19 @@ def get_recipe(name: str) -> Recipe:
 
 
 # -- digits ------------------------------------------------------------------------------------
-def _digits_model(cfg: TrainConfig) -> nn.Module:
+def _digits_model(cfg: RecipeSettings) -> nn.Module:
     from paratrain.models import DigitsCNN
 
     return DigitsCNN()
 
 
-def _digits_data(cfg: TrainConfig) -> Datasets:
+def _digits_data(cfg: RecipeSettings) -> Datasets:
     from paratrain.data.digits import load_digits_split
 
     return load_digits_split()
 
 
-def _sgd_momentum(params: Params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def _sgd_momentum(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
     assert cfg.lr is not None
     return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
 
@@ -106,7 +113,7 @@ register_recipe(
 
 
 # -- linear (seed 000) ------------------------------------------------------------------------
-def _linear_data(cfg: TrainConfig) -> Datasets:
+def _linear_data(cfg: RecipeSettings) -> Datasets:
     # Fixed data (not the run's seed): runs with different seeds learn the same problem.
     generator = torch.Generator().manual_seed(10)
     x = torch.randn(1200, 10, generator=generator)
@@ -115,7 +122,7 @@ def _linear_data(cfg: TrainConfig) -> Datasets:
     return TensorDataset(x[:1000], y[:1000]), TensorDataset(x[1000:], y[1000:])
 
 
-def _sgd(params: Params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def _sgd(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
     assert cfg.lr is not None
     return torch.optim.SGD(params, lr=cfg.lr)
 
@@ -137,13 +144,13 @@ register_recipe(
 
 
 # -- cifar10-resnet18 (seed 004) ------------------------------------------------------------
-def _resnet_model(cfg: TrainConfig) -> nn.Module:
+def _resnet_model(cfg: RecipeSettings) -> nn.Module:
     from paratrain.models import resnet18
 
     return resnet18(num_classes=10, cifar_stem=cfg.cifar_stem)
 
 
-def _cifar_data(cfg: TrainConfig) -> Datasets:
+def _cifar_data(cfg: RecipeSettings) -> Datasets:
     from paratrain.data.cifar import load_cifar10, synthetic_cifar10
 
     if cfg.synthetic is not None:
@@ -152,7 +159,7 @@ def _cifar_data(cfg: TrainConfig) -> Datasets:
     return load_cifar10(cfg.data_dir)
 
 
-def _sgd_resnet(params: Params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def _sgd_resnet(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
     assert cfg.lr is not None
     return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=5e-4)
 

@@ -19,6 +19,7 @@ import torch
 from paratrain.atomic import atomic_write, atomic_write_text
 from paratrain.errors import UserError
 from paratrain.training_state.store import CHECKPOINTS, remove_checkpoints
+from paratrain.version import __version__
 
 METRICS = "metrics.jsonl"
 WEIGHTS = "model.safetensors"
@@ -71,8 +72,6 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
 
 
 def versions() -> dict[str, str]:
-    from paratrain import __version__
-
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

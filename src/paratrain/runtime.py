@@ -24,9 +24,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain.collective import ReduceOp
 from paratrain.errors import PlacementError, UserError
+from paratrain.launch import launch
 from paratrain.loaders import DeviceLoader, shard_loader
-from paratrain.optim import RuntimeOptimizer, move_optimizer_state
+from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
 from paratrain.seeding import seed_everything
@@ -36,7 +38,7 @@ from paratrain.strategies import (
     check_sync_batchnorm,
     strategy_names,
 )
-from paratrain.strategies.base import ReduceOp
+from paratrain.training_state import load_state, save_state
 
 T = TypeVar("T")
 
@@ -89,12 +91,8 @@ class Runtime:
         self.strategy: Strategy = build_strategy(strategy, spec)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
-        self.accumulate_steps = accumulate
         self.seed = seed
-        self.sync_gradients = True
-        self.loss_weight = 1.0  # set per batch by sharded loaders (uneven last batches)
-        self.at_last_batch = False
-        self._micro_steps = 0
+        self.accumulation = Accumulation(steps=accumulate)
         self._connected = False
         seed_everything(seed)
 
@@ -108,6 +106,17 @@ class Runtime:
             config.accumulate,
             config.sync_batchnorm,
         )
+
+    @property
+    def accumulate_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.accumulation.steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the next ``optimizer.step()`` applies the gradients (False while
+        accumulating micro-batches)."""
+        return self.accumulation.sync_gradients
 
     # -- where am I --------------------------------------------------------------------------
     @property
@@ -142,9 +151,8 @@ class Runtime:
         Returns ``fn``'s result; when processes were spawned, rank 0's. Spawned processes
         get ``fn`` and ``args`` pickled: define ``fn`` at the top level of a module.
         """
-        from paratrain.launch import launch
-
-        return launch(self, fn, *args)
+        rebuild = functools.partial(Runtime.from_config, self.config)
+        return launch(self, self.strategy.num_processes, rebuild, fn, *args)
 
     # -- placing things ----------------------------------------------------------------------
     def setup(
@@ -190,7 +198,7 @@ class Runtime:
         move_optimizer_state(optimizer, self.device)
         if self.precision.scaler is None and self.accumulate_steps == 1:
             return optimizer
-        return RuntimeOptimizer(optimizer, self)  # type: ignore[return-value]
+        return RuntimeOptimizer(optimizer, self.precision, self.accumulation)  # type: ignore[return-value]
 
     def _guard_forward(self, model: nn.Module) -> nn.Module:
         """Turn PyTorch's device-mismatch error into one that says what to do."""
@@ -226,7 +234,8 @@ class Runtime:
             evaluation=evaluation,
             pin_memory=self.device.type == "cuda",
         )
-        return DeviceLoader(rebuilt, self.device, sampler, None if evaluation else self)
+        sink = None if evaluation else self.accumulation
+        return DeviceLoader(rebuilt, self.device, sampler, sink)
 
     def to_device(self, obj: T) -> T:
         """Move tensors (nested in tuples, lists, dicts) to this process's device."""
@@ -237,21 +246,16 @@ class Runtime:
         """``loss.backward()`` through the precision policy, scaled for accumulation."""
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
-        scale = self.loss_weight / self.accumulate_steps
+        accumulation = self.accumulation
+        scale = accumulation.loss_weight / accumulation.steps
         self.precision.backward(loss * scale if scale != 1.0 else loss)
-        if self.accumulate_steps > 1:
-            self._micro_steps += 1
-            self.sync_gradients = self._micro_steps >= self.accumulate_steps or self.at_last_batch
-
-    def _gradients_applied(self) -> None:
-        self._micro_steps = 0
-        self.sync_gradients = self.accumulate_steps == 1
+        accumulation.micro_batch_done()
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
         """Wrap forward and backward of one micro-batch: skips the gradient all-reduce on
         every micro-step but the last of each group of ``accumulate``."""
-        last = (self._micro_steps + 1) >= self.accumulate_steps or self.at_last_batch
+        last = self.accumulation.next_is_last()
         with contextlib.nullcontext() if last else self.strategy.no_sync(model):
             yield
 
@@ -282,9 +286,8 @@ class Runtime:
         LR schedulers and GradScalers (their ``state_dict()``), tensors, plain values, and
         every process's random generator states. Call it on every process; the main one
         writes, atomically, and all return once the file is complete."""
-        from paratrain.training_state import save_state
-
-        save_state(self, path, state)
+        self._connect()
+        save_state(self.strategy.collective, self.strategy.devices, path, state)
 
     def load(
         self, path: str | os.PathLike[str], into: dict[str, Any] | None = None, rng: bool = True
@@ -292,9 +295,8 @@ class Runtime:
         """Read a file :meth:`save` wrote, on every process: load its entries into the
         objects of ``into`` (same keys as saved) and, with ``rng`` and the same number of
         processes, restore this process's random generators. Returns every saved entry."""
-        from paratrain.training_state import load_state
-
-        return load_state(self, path, into, rng)
+        self._connect()
+        return load_state(self.strategy.collective, self.strategy.devices, path, into, rng)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

@@ -79,7 +79,7 @@ def _load_recipe(source: TaskSource) -> BenchTask:
         seed=source.seed,
         data_dir=source.data_dir,
         synthetic=source.synthetic,
-    ).resolved()
+    ).resolved(get_recipe)
     train_set, _ = recipe.build_data(cfg)
     return BenchTask(
         model=recipe.build_model(cfg),

@@ -18,8 +18,9 @@ from paratrain.bench.combos import parse_batch_sizes, parse_precision_list, pars
 from paratrain.bench.crossover import DEFAULT_SIZES
 from paratrain.bench.progress import BenchProgress
 from paratrain.bench.task import TaskSource
+from paratrain.config import DEFAULT_RECIPE
 from paratrain.errors import UserError
-from paratrain.recipes import DEFAULT_RECIPE, recipe_names
+from paratrain.recipes import recipe_names
 
 
 def register(subparsers: Any) -> None:

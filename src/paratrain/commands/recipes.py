@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from paratrain.recipes import DEFAULT_RECIPE, get_recipe, recipe_names
+from paratrain.config import DEFAULT_RECIPE
+from paratrain.recipes import get_recipe, recipe_names
 
 
 def register(subparsers: Any) -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from paratrain import rundir
-from paratrain.config import TrainConfig
+from paratrain.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
-from paratrain.recipes import DEFAULT_RECIPE, recipe_names
+from paratrain.recipes import get_recipe, recipe_names
+from paratrain.resume import resume_config
 from paratrain.runtime import Runtime
 from paratrain.strategies import describe_strategies
-from paratrain.training_state.resume import resume_config
 
 
 def _strategy_help() -> str:
@@ -91,7 +91,7 @@ def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str | None) -> Su
 
 
 def train_command(cfg: TrainConfig) -> int:
-    cfg = cfg.resolved()
+    cfg = cfg.resolved(get_recipe)
     directory = None
     if cfg.resume_from is not None:
         directory = cfg.out  # the run being continued, checked by resume_config

@@ -1,4 +1,4 @@
-"""The strategy contract, and the collective object of a run that has one process.
+"""The strategy contract.
 
 A strategy says how one process trains: which device is its own, how the model and the loss
 are wrapped, and how processes talk to each other (its :class:`Collective`). How processes
@@ -15,31 +15,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-ReduceOp = str  # "sum" | "mean" | "max" | "min"
+from paratrain.collective import Collective, ReduceOp
 
-
-class Collective:
-    """Collectives of a one-process run: every operation returns its input.
-
-    Being an object rather than an ``if distributed`` branch lets the loop call
-    ``all_reduce`` unconditionally (ignite's ``_SerialModel`` idea).
-    """
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor]
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def barrier(self) -> None:
-        return None
+__all__ = ["Collective", "ReduceOp", "Strategy", "iter_tensors"]
 
 
 class Strategy(ABC):

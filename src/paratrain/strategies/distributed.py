@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.collective import Collective, ReduceOp
 from paratrain.errors import UserError
-from paratrain.strategies.base import Collective, ReduceOp
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 INIT_TIMEOUT_VARIABLE = "PARATRAIN_INIT_TIMEOUT"

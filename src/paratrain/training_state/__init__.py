@@ -5,6 +5,9 @@ A resumed run ends with the same weights, bit for bit, as one that never stopped
 in fp32, same layout): the model, optimizer, LR scheduler and GradScaler states, the step
 counters, the data position (epoch, and global batch inside it) and every process's random
 generators all come back.
+
+``paratrain train --resume`` itself (which run, which settings) lives in
+:mod:`paratrain.resume`, above the training configuration.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from paratrain.training_state.rng import capture_rng, restore_rng
 from paratrain.training_state.snapshot import (
     Checkpointer,
     Position,
+    ProcessLayout,
     TrainingParts,
     load_checkpoint,
     read_state,
@@ -31,6 +35,7 @@ __all__ = [
     "STALL_VARIABLE",
     "Checkpointer",
     "Position",
+    "ProcessLayout",
     "TrainingParts",
     "capture_rng",
     "latest_checkpoint",

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from paratrain.runtime import Runtime
+from paratrain.collective import Collective
 
 
-def gather_to_main(rt: Runtime, obj: Any) -> list[Any] | None:
+def gather_to_main(collective: Collective, obj: Any) -> list[Any] | None:
     """Every process's ``obj`` (picklable, small), in rank order, on the main process;
     None on the others. Every process must call it."""
     gathered = [
-        rt.broadcast_object(obj if rank == rt.rank else None, src=rank)
-        for rank in range(rt.world_size)
+        collective.broadcast_object(obj if rank == collective.rank else None, src=rank)
+        for rank in range(collective.world_size)
     ]
-    return gathered if rt.is_main else None
+    return gathered if collective.is_main else None

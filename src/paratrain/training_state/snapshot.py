@@ -19,27 +19,24 @@ reads it.
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from paratrain import __version__
 from paratrain.checkpoint import load_weights
 from paratrain.checkpoint.readers import read_torch
+from paratrain.collective import Collective
 from paratrain.errors import UserError
 from paratrain.training_state.collect import gather_to_main
 from paratrain.training_state.rng import capture_rng, restore_rng
 from paratrain.training_state.store import STATE, WEIGHTS, FileWriter, write_checkpoint
+from paratrain.version import __version__
 from paratrain.weights import plain_state_dict
-
-if TYPE_CHECKING:
-    from paratrain.config import TrainConfig
-    from paratrain.runtime import Runtime
 
 FORMAT = 1
 #: settings a checkpoint can only be resumed with (the data position and step count
@@ -49,6 +46,30 @@ MUST_MATCH = ("recipe", "batch_size", "seed", "accumulate", "precision")
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class ProcessLayout:
+    """The processes a checkpoint is saved from or loaded into, seen from one of them."""
+
+    collective: Collective
+    #: this process's devices, whose random generators are saved and restored
+    devices: Sequence[torch.device]
+    #: the strategy's name, recorded in ``state.json``
+    strategy: str
+
+
+class CheckpointSettings(Protocol):
+    """The run settings a checkpoint records and obeys (the training configuration)."""
+
+    recipe: str
+    batch_size: int | None
+    seed: int
+    accumulate: int
+    precision: str
+    save_every: int | None
+    keep: int
+    resume_from: str | None
 
 
 @dataclass
@@ -108,15 +129,15 @@ class Checkpointer:
 
     def __init__(
         self,
-        rt: Runtime,
+        layout: ProcessLayout,
         run_dir: Path | None,
-        cfg: TrainConfig,
+        cfg: CheckpointSettings,
         parts: TrainingParts,
         batches_per_epoch: int,
         start: Position,
         metrics: Any = None,
     ) -> None:
-        self.rt = rt
+        self.layout = layout
         self.metrics = metrics  # the main process's MetricsWriter: its line count is saved
         #: the last finished epoch's figures, saved with every checkpoint
         self.last_metrics: dict[str, Any] = dict(start.last_metrics)
@@ -127,9 +148,9 @@ class Checkpointer:
         self.batches_per_epoch = batches_per_epoch
         self.info: dict[str, Any] = {
             **{name: getattr(cfg, name) for name in MUST_MATCH},
-            "world_size": rt.world_size,
-            "strategy": rt.strategy.name,
-            "devices": [str(d) for d in rt.strategy.devices],
+            "world_size": layout.collective.world_size,
+            "strategy": layout.strategy,
+            "devices": [str(d) for d in layout.devices],
             "batches_per_epoch": batches_per_epoch,
         }
         resumed = cfg.resume_from is not None
@@ -150,11 +171,11 @@ class Checkpointer:
             return None
         self._last = (epoch, batch, step)
         mine = {
-            "rng": capture_rng(self.rt.strategy.devices),
+            "rng": capture_rng(self.layout.devices),
             "loss_sum": float(loss_sum),
             "samples": samples,
         }
-        gathered = gather_to_main(self.rt, mine)
+        gathered = gather_to_main(self.layout.collective, mine)
         if gathered is None:
             return None
         state = {
@@ -179,7 +200,7 @@ class Checkpointer:
 
 
 def load_checkpoint(
-    rt: Runtime, checkpoint: Path, parts: TrainingParts, batches_per_epoch: int
+    layout: ProcessLayout, checkpoint: Path, parts: TrainingParts, batches_per_epoch: int
 ) -> Position:
     """Load ``checkpoint`` into ``parts`` and this process's generators; where to go on.
 
@@ -193,26 +214,26 @@ def load_checkpoint(
             f"run has {batches_per_epoch}: the data set changed; resume with the same data"
         )
     load_weights(parts.model, checkpoint / WEIGHTS)
+    collective = layout.collective
     for name, obj in parts.stateful().items():
         path = checkpoint / f"{name}.pt"
         if path.is_file():
             obj.load_state_dict(read_torch(path))
         else:
-            rt.print(f"paratrain: note: {checkpoint} holds no {name} state", file=sys.stderr)
-    rank, world = rt.rank, rt.world_size
+            collective.note(f"paratrain: note: {checkpoint} holds no {name} state")
+    rank, world = collective.rank, collective.world_size
     sums, samples = state.get("epoch_loss_sums", [0.0]), state.get("epoch_samples", [0])
     if state["world_size"] == world:
-        missing = restore_rng(read_torch(checkpoint / rng_file(rank)), rt.strategy.devices)
+        missing = restore_rng(read_torch(checkpoint / rng_file(rank)), layout.devices)
         if missing:
             names = ", ".join(missing)
-            rt.print(f"paratrain: note: no generator state restored for {names}", file=sys.stderr)
+            collective.note(f"paratrain: note: no generator state restored for {names}")
         loss_sum, count = sums[rank], samples[rank]
     else:
-        rt.print(
+        collective.note(
             f"paratrain: note: the checkpoint was saved by {state['world_size']} process(es), "
             f"this run has {world}: the data position carries over exactly, the per-process "
-            "random generators do not (exact only if training draws no random numbers)",
-            file=sys.stderr,
+            "random generators do not (exact only if training draws no random numbers)"
         )
         loss_sum, count = (sum(sums), sum(samples)) if rank == 0 else (0.0, 0)
     return Position(

@@ -9,10 +9,9 @@ Written once, by the main process, atomically; read by every process.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,38 +19,43 @@ from torch import nn
 from paratrain.atomic import atomic_write
 from paratrain.checkpoint import load_weights
 from paratrain.checkpoint.readers import read_torch
+from paratrain.collective import Collective
 from paratrain.errors import UserError
 from paratrain.training_state.collect import gather_to_main
 from paratrain.training_state.rng import capture_rng, restore_rng
 from paratrain.weights import plain_state_dict
 
-if TYPE_CHECKING:
-    from paratrain.runtime import Runtime
-
 RESERVED = "__paratrain__"
 _PLAIN = (int, float, str, bool, type(None))
 
 
-def save_state(rt: Runtime, path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
-    """Write ``state`` to ``path`` (see the module doc). Every process must call it; it
-    returns once the file is complete, on every process."""
+def save_state(
+    collective: Collective,
+    devices: Sequence[torch.device],
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+) -> Path:
+    """Write ``state`` to ``path`` (see the module doc). Every process must call it, with
+    the devices whose generators it uses; it returns once the file is complete, on every
+    process."""
     path = Path(path)
     if RESERVED in state:
         raise UserError(f"rt.save: the key {RESERVED!r} is reserved; rename that entry")
     for key, value in state.items():
         _check(key, value)
-    rngs = gather_to_main(rt, capture_rng(rt.strategy.devices))
+    rngs = gather_to_main(collective, capture_rng(devices))
     if rngs is not None:
         payload = {str(key): _saveable(value) for key, value in state.items()}
-        payload[RESERVED] = {"format": 1, "world_size": rt.world_size, "rng": rngs}
+        payload[RESERVED] = {"format": 1, "world_size": collective.world_size, "rng": rngs}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(payload, tmp))
-    rt.barrier()
+    collective.barrier()
     return path
 
 
 def load_state(
-    rt: Runtime,
+    collective: Collective,
+    devices: Sequence[torch.device],
     path: str | os.PathLike[str],
     into: Mapping[str, Any] | None = None,
     rng: bool = True,
@@ -72,13 +76,12 @@ def load_state(
             raise UserError(f"rt.load: {path} holds no {key!r}; it holds {saved}")
         _load_into(key, target, raw[key])
     if rng:
-        if meta["world_size"] == rt.world_size:
-            restore_rng(meta["rng"][rt.rank], rt.strategy.devices)
+        if meta["world_size"] == collective.world_size:
+            restore_rng(meta["rng"][collective.rank], devices)
         else:
-            rt.print(
+            collective.note(
                 f"paratrain: note: {path} was saved by {meta['world_size']} process(es), this "
-                f"run has {rt.world_size}: random generator states not restored",
-                file=sys.stderr,
+                f"run has {collective.world_size}: random generator states not restored"
             )
     return raw
 

@@ -20,6 +20,7 @@ from paratrain import rundir
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
+from paratrain.recipes import get_recipe
 from paratrain.training_state.snapshot import MUST_MATCH, read_state
 from paratrain.training_state.store import (
     CHECKPOINTS,
@@ -89,7 +90,7 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
         changes["devices"] = None  # the run's devices were meant for its strategy
     cfg = dataclasses.replace(
         saved, **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)
-    ).resolved()
+    ).resolved(get_recipe)
     state = read_state(checkpoint)
     _check_checkpoint(cfg, checkpoint, state)
     _check_newer(run_dir, checkpoint)
