@@ -50,6 +50,8 @@ class TrainConfig:
     precision: str = "32"
     accumulate: int = 1
     sync_batchnorm: bool = False
+    #: deterministic algorithms and no TF32: the same seed gives the same weights on a GPU
+    deterministic: bool = False
     cifar_stem: bool = False
     max_steps: int | None = None
     progress: bool = True
@@ -106,6 +108,7 @@ class TrainConfig:
             seed=self.seed,
             accumulate=self.accumulate,
             sync_batchnorm=self.sync_batchnorm,
+            deterministic=self.deterministic,
         )
 
     def to_dict(self) -> dict[str, Any]:

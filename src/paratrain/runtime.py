@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain.collective import ReduceOp
+from paratrain.determinism import make_deterministic, nondeterministic_operation, numerics_settings
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch
 from paratrain.loaders import DeviceLoader, shard_loader
@@ -57,6 +58,7 @@ class RuntimeConfig:
     seed: int = 0
     accumulate: int = 1
     sync_batchnorm: bool = False
+    deterministic: bool = False
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
@@ -79,14 +81,23 @@ class Runtime:
         seed: int = 0,
         accumulate: int = 1,
         sync_batchnorm: bool = False,
+        deterministic: bool = False,
     ) -> None:
+        if deterministic:  # first: before anything can start cuBLAS
+            make_deterministic()
         if strategy == "auto":
             strategy = os.environ.get(STRATEGY_VARIABLE) or strategy
         if devices is None:
             devices = os.environ.get(DEVICES_VARIABLE) or None
         spec = None if devices is None else str(devices)
         self.config = RuntimeConfig(
-            strategy, spec, normalize_precision(precision), seed, accumulate, sync_batchnorm
+            strategy,
+            spec,
+            normalize_precision(precision),
+            seed,
+            accumulate,
+            sync_batchnorm,
+            deterministic,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
@@ -105,6 +116,7 @@ class Runtime:
             config.seed,
             config.accumulate,
             config.sync_batchnorm,
+            config.deterministic,
         )
 
     @property
@@ -178,11 +190,16 @@ class Runtime:
         wrapped = self.strategy.wrap_model(model)
         wrapped = self._guard_forward(wrapped)
         wrapped = self.precision.wrap_forward(wrapped)
+        if self.config.deterministic:
+            wrapped.forward = self._naming_nondeterministic(wrapped.forward)
         result: list[Any] = [wrapped]
         if optimizer is not None:
             result.append(self._setup_optimizer(model, optimizer))
         if loss_fn is not None:
-            result.append(self.strategy.wrap_loss(loss_fn))
+            loss_fn = self.strategy.wrap_loss(loss_fn)
+            result.append(
+                self._naming_nondeterministic(loss_fn) if self.config.deterministic else loss_fn
+            )
         return result[0] if len(result) == 1 else tuple(result)
 
     def _setup_optimizer(
@@ -219,6 +236,23 @@ class Runtime:
         model.forward = guarded_forward
         return model
 
+    @staticmethod
+    def _naming_nondeterministic(fn: Callable[..., T]) -> Callable[..., T]:
+        """PyTorch's error for an operation without a deterministic implementation, as a
+        one-line error that names it."""
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                error = nondeterministic_operation(exc)
+                if error is None:
+                    raise
+                raise error from None
+
+        return call
+
     def setup_loader(self, loader: DataLoader[Any], evaluation: bool = False) -> DeviceLoader:
         """Deliver ``loader``'s batches on this process's device, sharded across processes.
 
@@ -248,7 +282,10 @@ class Runtime:
             raise PlacementError("rt.backward expects a scalar loss tensor")
         accumulation = self.accumulation
         scale = accumulation.loss_weight / accumulation.steps
-        self.precision.backward(loss * scale if scale != 1.0 else loss)
+        backward = self.precision.backward
+        if self.config.deterministic:
+            backward = self._naming_nondeterministic(backward)
+        backward(loss * scale if scale != 1.0 else loss)
         accumulation.micro_batch_done()
 
     @contextlib.contextmanager
@@ -313,4 +350,6 @@ class Runtime:
             "precision": self.precision.name,
             "world_size": self.world_size,
             "accumulate": self.accumulate_steps,
+            "deterministic": self.config.deterministic,
+            "numerics": numerics_settings(),
         }

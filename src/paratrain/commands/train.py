@@ -35,6 +35,11 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="32", help="32, bf16 or fp16")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--sync-batchnorm", action="store_true", help="BatchNorm -> SyncBatchNorm")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="reproducible on GPUs: deterministic algorithms, no TF32 (slower)",
+    )
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
     p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
