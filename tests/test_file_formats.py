@@ -101,7 +101,7 @@ def test_a_safetensors_header_cut_short_is_named_truncated_not_a_bad_pickle(
 @pytest.mark.parametrize("protocol", [2, 3])  # weights_only reads no later protocol
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
 def test_torch_files_are_still_torch(tmp_path: Path, protocol: int, zipped: bool) -> None:
-    path = tmp_path / "model.pt"
+    path = tmp_path / "model.safetensors"  # a misleading name
     buffer = io.BytesIO()
     torch.save(weights(), buffer, pickle_protocol=protocol, _use_new_zipfile_serialization=zipped)
     path.write_bytes(buffer.getvalue())

@@ -140,7 +140,10 @@ def read_torch(path: Path) -> Any:
         with warnings.catch_warnings():
             # torch warns about pickle protocols it may not support; the error below is clearer
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            # A handle, not the path: torch.load reads a path ending in .safetensors as
+            # safetensors, whatever it holds.
+            with open(path, "rb") as handle:
+                return torch.load(handle, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         code = pickled_globals(path)
         if code:
