@@ -1,5 +1,5 @@
 """Shared fixtures: a clean environment and process group around every test, and the CLI
-run as a real subprocess."""
+run as a real subprocess; a DataParallel that stays on the CPU."""
 
 from __future__ import annotations
 
@@ -11,8 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_data_parallel(module: nn.Module) -> nn.DataParallel[nn.Module]:
+    """A real ``nn.DataParallel`` around ``module``, which stays on the CPU.
+
+    ``nn.DataParallel(module)`` moves ``module`` to cuda:0 on a machine with one GPU; built
+    around a module without tensors, it moves nothing, and then holds ``module`` instead.
+    Its state dict, and the unwrapping paratrain does, are those of any DataParallel.
+    """
+    wrapper: nn.DataParallel[nn.Module] = nn.DataParallel(nn.Identity())
+    wrapper.module = module
+    return wrapper
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import cpu_data_parallel
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -134,7 +135,7 @@ def test_rt_save_and_load_resume_a_users_loop_exactly(tmp_path: Path) -> None:
 
 def test_rt_save_plain_names_and_clear_errors(tmp_path: Path) -> None:
     rt = paratrain.Runtime(strategy="cpu")
-    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    wrapped = cpu_data_parallel(nn.Linear(2, 2))
     rt.save(tmp_path / "sub" / "s.pt", {"net": wrapped, "note": "hi", "t": torch.ones(2)})
     assert not [p for p in (tmp_path / "sub").iterdir() if p.name != "s.pt"]  # no temp file
     fresh = nn.Linear(2, 2)
