@@ -293,7 +293,6 @@ def test_micro_benchmark_measurements_have_their_rows() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_micro_benchmarks_run_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "placement", "--size", "2048", "--repeats", "3", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)

@@ -293,18 +293,41 @@ def test_paratrain_run_options_may_follow_the_script() -> None:
 # -- GPUs ----------------------------------------------------------------------------------
 
 
-def _one_gpu_run(rt: paratrain.Runtime) -> dict[str, Any]:
+def _gpu_run(rt: paratrain.Runtime) -> dict[str, Any]:
     model = rt.setup(nn.Linear(4, 2))
     total = rt.all_reduce(torch.ones(2, device=rt.device), "sum")
+    index = torch.tensor([next(model.parameters()).device.index], device=rt.device)
     return {
         "backend": rt.strategy.describe()["backend"],
         "device": str(next(model.parameters()).device),
         "total": total.tolist(),
+        "devices": [int(t.item()) for t in rt.all_gather(index)],
     }
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_ddp_on_one_gpu_uses_nccl() -> None:
-    result = paratrain.Runtime(strategy="ddp", devices="cuda:0").launch(_one_gpu_run)
-    assert result == {"backend": "nccl", "device": "cuda:0", "total": [1.0, 1.0]}
+    result = paratrain.Runtime(strategy="ddp", devices="cuda:0").launch(_gpu_run)
+    assert result == {"backend": "nccl", "device": "cuda:0", "total": [1.0, 1.0], "devices": [0]}
+
+
+@pytest.mark.cuda
+@pytest.mark.cuda2
+def test_a_count_and_auto_mean_gpus_where_there_are_two() -> None:
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert build_strategy("ddp", "2").devices == gpus
+    assert build_strategy("auto", "2").devices == gpus
+    assert build_strategy("auto", "1").name == "cuda"  # one device named: no processes
+    assert build_strategy("auto", None).num_processes == torch.cuda.device_count()
+
+
+@pytest.mark.cuda
+@pytest.mark.cuda2
+def test_ddp_on_two_gpus_runs_one_process_per_gpu() -> None:
+    result = paratrain.Runtime(strategy="ddp", devices="0,1").launch(_gpu_run)
+    assert result == {
+        "backend": "nccl",
+        "device": "cuda:0",
+        "total": [2.0, 2.0],
+        "devices": [0, 1],
+    }

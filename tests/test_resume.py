@@ -313,7 +313,6 @@ def test_overwrite_removes_the_old_checkpoints(
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp16_on_cuda_resumes_the_grad_scaler_and_cuda_generator(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
