@@ -1,5 +1,11 @@
-"""Shared fixtures: a clean environment and process group around every test, and the CLI
-run as a real subprocess."""
+"""Shared fixtures: a clean environment and process group around every test, the CLI run as
+a real subprocess, a DataParallel that stays on the CPU, and the device markers.
+
+Tests name the devices they mean (``--strategy cpu``, ``--devices cpu,cpu``): left to
+``auto`` or given as a count, devices mean GPUs on a machine that has them. Tests of GPU
+behaviour carry a marker and are skipped where the device is absent: ``cuda`` (one CUDA GPU),
+``cuda2`` (two) and ``mps``.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,42 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def missing_device(markers: set[str]) -> str | None:
+    """Why a test with these markers cannot run on this machine, or None."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if "cuda2" in markers and gpus < 2:
+        return f"needs two CUDA GPUs, this machine has {gpus}"
+    if "cuda" in markers and gpus < 1:
+        return "needs a CUDA GPU"
+    if "mps" in markers and not torch.backends.mps.is_available():
+        return "needs Apple MPS"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = missing_device({marker.name for marker in item.iter_markers()})
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def cpu_data_parallel(module: nn.Module) -> nn.DataParallel[nn.Module]:
+    """A real ``nn.DataParallel`` around ``module``, which stays on the CPU.
+
+    ``nn.DataParallel(module)`` moves ``module`` to cuda:0 on a machine with one GPU; built
+    around a module without tensors, it moves nothing, and then holds ``module`` instead.
+    Its state dict, and the unwrapping paratrain does, are those of any DataParallel.
+    """
+    wrapper: nn.DataParallel[nn.Module] = nn.DataParallel(nn.Identity())
+    wrapper.module = module
+    return wrapper
 
 
 @pytest.fixture(autouse=True)

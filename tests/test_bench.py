@@ -19,6 +19,7 @@ from paratrain.bench.combos import (
     Combo,
     default_precisions,
     enumerate_combos,
+    not_by_default,
     parse_batch_sizes,
     parse_precision_list,
     parse_strategy_list,
@@ -73,6 +74,36 @@ def test_default_combos_are_every_available_strategy_at_native_precisions() -> N
     assert "test layout" in str(balanced.skip_reason)
     ddp = next(c for c in combos if c.strategy == "ddp")
     assert ddp.devices == "cpu,cpu" and ddp.processes == 2
+
+
+CPU, GPU0, GPU1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "dp-balanced", "ddp"])
+def test_with_one_gpu_the_layouts_for_several_are_left_to_strategies(strategy: str) -> None:
+    # What enumerate_combos gets on a machine with one GPU (--devices defaults to "1")...
+    reason = not_by_default(strategy, [GPU0], 1, cuda_devices=1)
+    assert reason is not None and "one" in reason and "--strategies" in reason
+    assert "cuda:0,cuda:0" in reason  # how to measure the code path on that GPU anyway
+    # ...and with two: measured by default.
+    processes = 2 if strategy == "ddp" else 1
+    assert not_by_default(strategy, [GPU0, GPU1], processes, cuda_devices=2) is None
+
+
+def test_what_the_default_set_measures_by_machine() -> None:
+    assert not_by_default("cuda", [GPU0], 1, cuda_devices=1) is None
+    assert not_by_default("cuda", [GPU0], 1, cuda_devices=2) is None
+    assert not_by_default("cpu", [CPU], 1, cuda_devices=0) is None
+    assert not_by_default("ddp", [CPU, CPU], 2, cuda_devices=0) is None
+    # CPU layouts on a machine with a GPU (one or more), or with MPS
+    for gpus in (1, 2):
+        assert "a CPU layout" in str(not_by_default("ddp", [CPU, CPU], 2, cuda_devices=gpus))
+        assert "a CPU layout" in str(not_by_default("cpu", [CPU], 1, cuda_devices=gpus))
+    assert "a CPU layout" in str(not_by_default("cpu", [CPU], 1, cuda_devices=0, mps=True))
+    # one process repeating a device, wherever
+    repeated = "one process repeating a device"
+    assert repeated in str(not_by_default("dp-balanced", [CPU, CPU], 1, cuda_devices=0))
+    assert repeated in str(not_by_default("dp", [GPU1, GPU1], 1, cuda_devices=2))
 
 
 class _MetaStrategy(Strategy):
@@ -293,7 +324,6 @@ def test_micro_benchmark_measurements_have_their_rows() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_micro_benchmarks_run_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "placement", "--size", "2048", "--repeats", "3", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)

@@ -52,7 +52,7 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "bench"
-    argv = ["--strategies", "cpu,ddp", "--devices", "2", "--precisions", "32"]
+    argv = ["--strategies", "cpu,ddp", "--devices", "cpu,cpu", "--precisions", "32"]
     argv += ["--steps", "3", "--warmup", "1", "--repeats", "2", "--out", str(out)]
     code, stdout, _ = bench(capsys, *argv)
     assert code == 0, stdout

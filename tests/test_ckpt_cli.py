@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import cpu_data_parallel
 from safetensors.torch import load_file
 from torch import nn
 
@@ -51,7 +52,7 @@ def assert_plain_copy(written: dict[str, torch.Tensor], model: nn.Module) -> Non
 
 def test_convert_dataparallel_pt_to_plain_safetensors(tmp_path: Path, cli: Run) -> None:
     model = net()
-    torch.save(nn.DataParallel(model).state_dict(), tmp_path / "dp.pt")
+    torch.save(cpu_data_parallel(model).state_dict(), tmp_path / "dp.pt")
     code, out, err = cli("ckpt", "convert", tmp_path / "dp.pt", tmp_path / "plain.safetensors")
     assert (code, err) == (0, "")
     assert "9 tensors" in out and "removed prefixes: module." in out
@@ -60,7 +61,7 @@ def test_convert_dataparallel_pt_to_plain_safetensors(tmp_path: Path, cli: Run) 
 
 def test_convert_lightning_checkpoint_to_pt_with_strip_prefix(tmp_path: Path, cli: Run) -> None:
     model = net()
-    state = {f"model.{k}": v for k, v in nn.DataParallel(model).state_dict().items()}
+    state = {f"model.{k}": v for k, v in cpu_data_parallel(model).state_dict().items()}
     ckpt = {"state_dict": state, "epoch": 3, "optimizer_states": [{"state": {}}]}
     torch.save(ckpt, tmp_path / "last.ckpt")
     dst = tmp_path / "weights.pt"
@@ -111,7 +112,7 @@ def test_ckpt_without_an_action_is_a_usage_error(cli: Run) -> None:
 
 
 def test_inspect_lists_tensors_sizes_and_prefixes(tmp_path: Path, cli: Run) -> None:
-    torch.save(nn.DataParallel(net()).state_dict(), tmp_path / "dp.pt")
+    torch.save(cpu_data_parallel(net()).state_dict(), tmp_path / "dp.pt")
     code, out, err = cli("ckpt", "inspect", tmp_path / "dp.pt")
     assert (code, err) == (0, "")
     # 3x4 + 4, then BatchNorm 4 x 4 + 1 (its counter), then 4x2 + 2: 43 values

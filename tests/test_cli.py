@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from paratrain.cli import main
 from paratrain.data.cifar import write_fake_cifar_batches
 
+CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train there
+
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
@@ -58,7 +60,7 @@ def test_digits_default_run_writes_the_output_contract(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    code, stdout, _ = train(capsys, out, "--epochs", "3")
+    code, stdout, _ = train(capsys, out, *CPU, "--epochs", "3")
     assert code == 0
     assert "test accuracy" in stdout
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -81,21 +83,21 @@ def test_same_seed_gives_bit_identical_weights(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     for name, seed in (("a", "7"), ("b", "7"), ("c", "8")):
-        assert train(capsys, tmp_path / name, "--epochs", "1", "--seed", seed)[0] == 0
+        assert train(capsys, tmp_path / name, *CPU, "--epochs", "1", "--seed", seed)[0] == 0
     a, b, c = (load_file(str(tmp_path / n / "model.safetensors")) for n in "abc")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_linear_recipe(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, stdout, _ = train(capsys, tmp_path / "lin", "--recipe", "linear", "--epochs", "1")
+    code, stdout, _ = train(capsys, tmp_path / "lin", *CPU, "--recipe", "linear", "--epochs", "1")
     assert code == 0 and "accuracy" not in stdout
     weights = load_file(str(tmp_path / "lin" / "model.safetensors"))
     assert weights["weight"].shape == (1, 10)
 
 
 def test_cifar_recipe_on_synthetic_data(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    argv = ("--recipe", "cifar10-resnet18", "--synthetic", "40", "--epochs", "1")
+    argv = (*CPU, "--recipe", "cifar10-resnet18", "--synthetic", "40", "--epochs", "1")
     code, _, _ = train(capsys, tmp_path / "syn", *argv, "--batch-size", "8", "--cifar-stem")
     assert code == 0
     weights = load_file(str(tmp_path / "syn" / "model.safetensors"))
@@ -105,7 +107,7 @@ def test_cifar_recipe_on_synthetic_data(capsys: pytest.CaptureFixture[str], tmp_
 
 def test_cifar_recipe_from_a_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     write_fake_cifar_batches(tmp_path / "cifar", n_per_batch=8)
-    argv = ("--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "cifar"))
+    argv = (*CPU, "--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "cifar"))
     code, _, _ = train(capsys, tmp_path / "dir", *argv, "--epochs", "1", "--batch-size", "16")
     assert code == 0
     assert (tmp_path / "dir" / "model.safetensors").exists()
@@ -122,7 +124,7 @@ def test_cifar_recipe_from_a_data_dir(capsys: pytest.CaptureFixture[str], tmp_pa
         (["--precision", "fp8"], "valid precisions"),
         (["--devices", "0"], "must be at least 1"),
         (["--synthetic", "10"], "uses its own data"),
-        (["--sync-batchnorm"], "use --strategy ddp or drop --sync-batchnorm"),
+        (["--strategy", "cpu", "--sync-batchnorm"], "use --strategy ddp or drop --sync-batchnorm"),
         (["--recipe", "cifar10-resnet18"], "--data-dir DIR"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--epochs", "x"], "invalid int value"),
@@ -152,7 +154,7 @@ def test_missing_accelerator_suggests_auto_or_cpu(
 
 def test_missing_cifar_files_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    argv = ("--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "empty"))
+    argv = (*CPU, "--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "empty"))
     code, _, err = train(capsys, tmp_path / "out", *argv)
     assert code == 2
     assert "data_batch_1" in err and "test_batch" in err and "Traceback" not in err
@@ -162,14 +164,14 @@ def test_finished_run_is_not_overwritten_without_overwrite(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    assert train(capsys, out, "--recipe", "linear", "--epochs", "1")[0] == 0
+    assert train(capsys, out, *CPU, "--recipe", "linear", "--epochs", "1")[0] == 0
     (out / "notes.txt").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    code, _, err = train(capsys, out, "--recipe", "linear", "--epochs", "1", "--seed", "3")
+    code, _, err = train(capsys, out, *CPU, "--recipe", "linear", "--epochs", "1", "--seed", "3")
     assert code == 2 and "--overwrite" in err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     code, _, _ = train(
-        capsys, out, "--recipe", "linear", "--epochs", "1", "--seed", "3", "--overwrite"
+        capsys, out, *CPU, "--recipe", "linear", "--epochs", "1", "--seed", "3", "--overwrite"
     )
     assert code == 0
     assert (out / "notes.txt").read_text() == "mine"

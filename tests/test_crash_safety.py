@@ -24,7 +24,8 @@ from paratrain.training_state import STALL_VARIABLE, list_checkpoints, read_stat
 
 # 23 batches (steps) per epoch, a checkpoint every 4 steps
 SETTINGS = ("--epochs", "1", "--batch-size", "64", "--save-every", "4", "--seed", "1")
-DDP = ("--strategy", "ddp", "--devices", "2")
+CPU = ("--strategy", "cpu")
+DDP = ("--strategy", "ddp", "--devices", "cpu,cpu")
 TIMEOUT = 240.0
 
 
@@ -93,13 +94,13 @@ def _stalled_save(run: Path) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "run"
-    _run("--out", str(out), *SETTINGS)
+    _run("--out", str(out), *SETTINGS, *CPU)
     return out
 
 
 def test_killed_during_training_resumes_bit_identical(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _kill_when(run, lambda: bool(list_checkpoints(run)), *SETTINGS)
+    _kill_when(run, lambda: bool(list_checkpoints(run)), *SETTINGS, *CPU)
     _run("--resume", str(run))
     assert _same_weights(reference, run)
     assert (run / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
@@ -109,7 +110,7 @@ def test_killed_during_a_save_keeps_the_previous_checkpoint(
     reference: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    _kill_when(run, lambda: _stalled_save(run), *SETTINGS, stall="1.5")
+    _kill_when(run, lambda: _stalled_save(run), *SETTINGS, *CPU, stall="1.5")
     leftovers = list((run / "checkpoints").glob(".step-*.tmp"))
     assert [p.name for p in leftovers] == [".step-000008.tmp"]
     (previous,) = list_checkpoints(run)

@@ -42,7 +42,7 @@ def test_devices_resolve_to_cpu_processes_without_cuda() -> None:
     [
         ("0", "at least 1"),
         ("-2", "at least 1"),
-        ("cuda:7", "cuda:7"),
+        ("cuda:97", "cuda:97"),  # no machine has 98 GPUs
         ("cpu,cuda:0", "one kind"),
     ],
 )
@@ -52,7 +52,7 @@ def test_bad_devices_are_user_errors(spec: str, message: str) -> None:
 
 
 def test_several_processes_without_a_launcher_is_a_user_error() -> None:
-    rt = paratrain.Runtime(strategy="ddp", devices=2)
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
     with pytest.raises(UserError, match=r"rt\.launch"):
         rt.setup(nn.Linear(2, 2))
 
@@ -66,12 +66,13 @@ def test_a_torchrun_environment_selects_ddp_and_its_process_count(
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_PORT", "1")
     assert resolve_auto(None) == "ddp"
-    rt = paratrain.Runtime()  # nothing joins before setup
+    rt = paratrain.Runtime(devices="cpu,cpu")  # nothing joins before setup
     assert (rt.strategy.name, rt.rank, rt.world_size) == ("ddp", 1, 2)
-    if not torch.cuda.is_available():
-        assert rt.device == torch.device("cpu")
-        with pytest.raises(UserError, match="launcher started 2"):
-            build_strategy("ddp", "3")
+    assert rt.device == torch.device("cpu")  # this process's entry of --devices
+    with pytest.raises(UserError, match="launcher started 2"):
+        build_strategy("ddp", "cpu,cpu,cpu")
+    if not torch.cuda.is_available():  # without --devices: one CPU process per launched one
+        assert build_strategy("ddp", None).devices == [torch.device("cpu")] * 2
 
 
 # -- in the processes --------------------------------------------------------------------
@@ -168,8 +169,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_sync_batchnorm_restores_one_process_results() -> None:
     one = paratrain.Runtime(strategy="cpu").launch(_batchnorm_run)
-    plain = paratrain.Runtime(strategy="ddp", devices=2).launch(_batchnorm_run)
-    synced = paratrain.Runtime(strategy="ddp", devices=2, sync_batchnorm=True).launch(
+    plain = paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(_batchnorm_run)
+    synced = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", sync_batchnorm=True).launch(
         _batchnorm_run
     )
     assert one is not None and plain is not None and synced is not None
@@ -203,6 +204,8 @@ def test_torchrun_starts_paratrain_train(paratrain_cli: CLI, tmp_path: Path) -> 
             "train",
             "--strategy",
             "ddp",
+            "--devices",
+            "cpu,cpu",
             "--max-steps",
             "5",
             "--no-progress",
@@ -254,23 +257,24 @@ def test_paratrain_run_starts_a_user_script(paratrain_cli: CLI, tmp_path: Path) 
         )
     )
     result = paratrain_cli(
-        "run", str(script), str(tmp_path / "ddp.json"), "--strategy", "ddp", "--devices", "2"
+        "run", str(script), str(tmp_path / "ddp.json"), "--strategy", "ddp", "--devices", "cpu,cpu"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("done on 2") == 1
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     assert (ddp["strategy"], ddp["world"]) == ("ddp", 2)
-    # The same script without any launcher: one process on the CPU, the same weights.
+    # The same script without any launcher: one process on the CPU (where auto would pick a
+    # GPU, PARATRAIN_STRATEGY says cpu), the same weights.
     plain = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "one.json")],
-        env=subprocess_env(),
+        env=subprocess_env(PARATRAIN_STRATEGY="cpu"),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert plain.returncode == 0, plain.stderr[-3000:]
     one = json.loads((tmp_path / "one.json").read_text())
-    assert one["world"] == 1
+    assert (one["strategy"], one["world"]) == ("cpu", 1)
     diff = max(
         abs(a - b)
         for p, q in zip(one["weights"], ddp["weights"], strict=True)
@@ -289,18 +293,41 @@ def test_paratrain_run_options_may_follow_the_script() -> None:
 # -- GPUs ----------------------------------------------------------------------------------
 
 
-def _one_gpu_run(rt: paratrain.Runtime) -> dict[str, Any]:
+def _gpu_run(rt: paratrain.Runtime) -> dict[str, Any]:
     model = rt.setup(nn.Linear(4, 2))
     total = rt.all_reduce(torch.ones(2, device=rt.device), "sum")
+    index = torch.tensor([next(model.parameters()).device.index], device=rt.device)
     return {
         "backend": rt.strategy.describe()["backend"],
         "device": str(next(model.parameters()).device),
         "total": total.tolist(),
+        "devices": [int(t.item()) for t in rt.all_gather(index)],
     }
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_ddp_on_one_gpu_uses_nccl() -> None:
-    result = paratrain.Runtime(strategy="ddp", devices="cuda:0").launch(_one_gpu_run)
-    assert result == {"backend": "nccl", "device": "cuda:0", "total": [1.0, 1.0]}
+    result = paratrain.Runtime(strategy="ddp", devices="cuda:0").launch(_gpu_run)
+    assert result == {"backend": "nccl", "device": "cuda:0", "total": [1.0, 1.0], "devices": [0]}
+
+
+@pytest.mark.cuda
+@pytest.mark.cuda2
+def test_a_count_and_auto_mean_gpus_where_there_are_two() -> None:
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert build_strategy("ddp", "2").devices == gpus
+    assert build_strategy("auto", "2").devices == gpus
+    assert build_strategy("auto", "1").name == "cuda"  # one device named: no processes
+    assert build_strategy("auto", None).num_processes == torch.cuda.device_count()
+
+
+@pytest.mark.cuda
+@pytest.mark.cuda2
+def test_ddp_on_two_gpus_runs_one_process_per_gpu() -> None:
+    result = paratrain.Runtime(strategy="ddp", devices="0,1").launch(_gpu_run)
+    assert result == {
+        "backend": "nccl",
+        "device": "cuda:0",
+        "total": [2.0, 2.0],
+        "devices": [0, 1],
+    }

@@ -19,9 +19,6 @@ import torch
 from conftest import CLI, subprocess_env
 from safetensors.torch import load_file
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -179,7 +176,6 @@ def test_same_seed_bit_identical_on_the_cpu_with_and_without(
 
 
 @pytest.mark.cuda
-@needs_cuda
 @pytest.mark.parametrize("recipe", ["digits", "cifar10-resnet18"])
 def test_same_seed_bit_identical_on_cuda(paratrain_cli: CLI, tmp_path: Path, recipe: str) -> None:
     common = ("train", "--recipe", recipe, "--strategy", "cuda", "--deterministic")
@@ -195,7 +191,6 @@ def test_same_seed_bit_identical_on_cuda(paratrain_cli: CLI, tmp_path: Path, rec
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_cuda_layouts_agree_within_1e5_after_50_steps(paratrain_cli: CLI, tmp_path: Path) -> None:
     common = ("train", "--recipe", "digits", "--deterministic", "--max-steps", "50")
     common += ("--no-progress",)
@@ -215,7 +210,6 @@ def test_cuda_layouts_agree_within_1e5_after_50_steps(paratrain_cli: CLI, tmp_pa
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_kill_and_resume_is_bit_identical_on_cuda(paratrain_cli: CLI, tmp_path: Path) -> None:
     common = ("train", "--recipe", "cifar10-resnet18", "--synthetic", "1024", "--cifar-stem")
     common += ("--strategy", "cuda", "--deterministic", "--batch-size", "64", "--epochs", "2")

@@ -19,8 +19,6 @@ from paratrain.recipes import get_recipe
 from paratrain.strategies import build_strategy
 from paratrain.strategies import dp as dp_module
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def _error(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> str:
     assert cli.main(["train", *args, "--out", str(tmp_path / "run")]) == 2
@@ -79,7 +77,6 @@ def _digits(tmp_path: Path, name: str, *strategy: str) -> dict[str, torch.Tensor
 
 
 @pytest.mark.cuda
-@CUDA
 def test_dp_and_balanced_on_a_repeated_gpu_match_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -97,7 +94,6 @@ def test_dp_and_balanced_on_a_repeated_gpu_match_cpu(
 
 
 @pytest.mark.cuda
-@CUDA
 def test_dp_replicas_run_under_the_callers_autocast_dtype() -> None:
     dtypes: list[torch.dtype] = []
 
@@ -146,7 +142,6 @@ def _peak_memory(name: str, devices: str) -> tuple[list[int], int]:
 
 
 @pytest.mark.cuda
-@CUDA
 def test_first_device_memory_dp_vs_balanced(capsys: pytest.CaptureFixture[str]) -> None:
     count = torch.cuda.device_count()
     devices = ",".join(str(i) for i in range(count)) if count >= 2 else "cuda:0,cuda:0"

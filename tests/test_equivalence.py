@@ -21,7 +21,7 @@ from paratrain.strategies import strategy_names
 
 TOLERANCE = 1e-5
 LAYOUTS = [
-    ("ddp", "2"),
+    ("ddp", "cpu,cpu"),
     ("ddp", "cpu,cpu,cpu"),
     pytest.param(
         "dp-balanced",

@@ -70,8 +70,11 @@ def wait_for(condition: object, what: str, seconds: float = 180) -> None:
     [
         (["--devices", "0"], "--devices 0 must be at least 1"),
         (["--devices", "-3"], "--devices -3 must be at least 1"),
-        (["--devices", "3", "--batch-size", "2"], "--batch-size 2 is smaller than the number"),
-        (["--devices", "cuda:5"], "cuda:5"),
+        (
+            ["--devices", "cpu,cpu,cpu", "--batch-size", "2"],
+            "--batch-size 2 is smaller than the number",
+        ),
+        (["--devices", "cuda:95"], "cuda:95"),  # no machine has 96 GPUs
     ],
 )
 def test_bad_input_fails_before_any_process(
@@ -96,7 +99,7 @@ def test_paratrain_run_checks_devices_before_starting(
 
 
 def test_launch_needs_a_picklable_function() -> None:
-    rt = paratrain.Runtime(strategy="ddp", devices=2)
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
     with pytest.raises(UserError, match="top level"):
         rt.launch(lambda rt: None)
 
@@ -114,7 +117,7 @@ def _raise_on_rank_one(rt: paratrain.Runtime) -> None:
 @pytest.mark.timeout(90)  # a hang here is the bug under test
 def test_an_exception_names_the_rank_and_its_traceback() -> None:
     with pytest.raises(LaunchError) as info:
-        paratrain.Runtime(strategy="ddp", devices=2).launch(_raise_on_rank_one)
+        paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(_raise_on_rank_one)
     message = str(info.value)
     assert message.startswith("rank 1 (pid ")
     assert "Traceback (most recent call last)" in message
@@ -135,7 +138,9 @@ def test_a_rank_that_never_joins_fails_the_run(
 ) -> None:
     monkeypatch.setenv("PARATRAIN_INIT_TIMEOUT", "3")
     with pytest.raises(LaunchError) as info:
-        paratrain.Runtime(strategy="ddp", devices=2).launch(_hang_before_joining, str(tmp_path))
+        paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(
+            _hang_before_joining, str(tmp_path)
+        )
     message = str(info.value)
     assert "did not all join the process group within 3s (PARATRAIN_INIT_TIMEOUT)" in message
     pids = [int(p.read_text()) for p in tmp_path.glob("rank-*.pid")]
@@ -146,8 +151,8 @@ def test_a_rank_that_never_joins_fails_the_run(
 @pytest.mark.timeout(90)  # a hang here is the bug under test
 def test_kill_9_of_one_worker_stops_the_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "paratrain", "train", "--strategy", "ddp", "--devices", "2"]
-    command += ["--epochs", "100000", "--no-progress", "--out", str(out)]
+    command = [sys.executable, "-m", "paratrain", "train", "--strategy", "ddp"]
+    command += ["--devices", "cpu,cpu", "--epochs", "100000", "--no-progress", "--out", str(out)]
     process = subprocess.Popen(
         command, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -184,7 +189,7 @@ def test_paratrain_run_reports_the_failed_rank(paratrain_cli: CLI, tmp_path: Pat
         "    raise ValueError('boom on rank one')\n"
         "rt.barrier()\n"
     )
-    result = paratrain_cli("run", str(script), "--strategy", "ddp", "--devices", "2")
+    result = paratrain_cli("run", str(script), "--strategy", "ddp", "--devices", "cpu,cpu")
     err = result.stderr
     assert result.returncode == 1
     assert f"paratrain: error: {script} failed" in err

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cpu_data_parallel
 from safetensors.torch import save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -79,10 +80,10 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return root / name
 
     built["bare .pt"] = save("bare.pt", bare)
-    built["module. (DataParallel)"] = save("dp.pth", nn.DataParallel(ref).state_dict())
+    built["module. (DataParallel)"] = save("dp.pth", cpu_data_parallel(ref).state_dict())
     built["_orig_mod. (compile)"] = save("compiled.bin", torch.compile(ref).state_dict())
-    built["module._orig_mod."] = save("dp_c.pt", nn.DataParallel(torch.compile(ref)).state_dict())
-    built["_orig_mod.module."] = save("c_dp.pt", torch.compile(nn.DataParallel(ref)).state_dict())
+    built["module._orig_mod."] = save("dp_c.pt", cpu_data_parallel(torch.compile(ref)).state_dict())
+    built["_orig_mod.module."] = save("c_dp.pt", torch.compile(cpu_data_parallel(ref)).state_dict())
     built["{'state_dict': ...}"] = save("sd.pt", {"state_dict": bare, "epoch": 4})
     built["{'model': ...}"] = save(
         "model.pt", {"model": prefixed(bare, "module."), "optimizer": {"state": {}}, "step": 9}
@@ -95,7 +96,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     built["safetensors"] = root / "model.safetensors"
     run = root / "run"
     run.mkdir()
-    save_weights(nn.DataParallel(ref), run / rundir.WEIGHTS)
+    save_weights(cpu_data_parallel(ref), run / rundir.WEIGHTS)
     rundir.write_config(run, {"status": "finished", "runtime": {"world_size": 1}})
     built["paratrain run dir"] = run
     step = run / "checkpoints" / "step-000012"
@@ -104,7 +105,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.save({"state": {}, "param_groups": []}, step / "optimizer.pt")
     (step / "state.json").write_text(json.dumps({"epoch": 1, "step": 12, "world_size": 2}))
     built["paratrain checkpoint dir"] = step
-    built["in-memory dict"] = nn.DataParallel(ref).state_dict()
+    built["in-memory dict"] = cpu_data_parallel(ref).state_dict()
     return built
 
 
@@ -148,10 +149,18 @@ def _ddp(model: nn.Module) -> nn.Module:
 
 LAYOUTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "bare": lambda m: m,
-    "DataParallel": nn.DataParallel,
+    "DataParallel": cpu_data_parallel,
     "DDP (gloo)": _ddp,
     "compiled": lambda m: torch.compile(m),  # wrapped, never run: no compiler needed
 }
+
+
+def test_the_dataparallel_layout_is_a_real_one_left_on_the_cpu() -> None:
+    model = fresh()
+    wrapped = cpu_data_parallel(model)
+    assert isinstance(wrapped, nn.DataParallel) and unwrap_model(wrapped) is model
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+    assert list(wrapped.state_dict()) == [f"module.{key}" for key in model.state_dict()]
 
 
 def _load_in_rank(rt: paratrain.Runtime, path: str) -> bool:
@@ -217,7 +226,7 @@ def test_a_submodule_really_named_module_survives_wrapper_stripping() -> None:
 
     torch.manual_seed(0)
     source = Holder()
-    saved = nn.DataParallel(source).state_dict()
+    saved = cpu_data_parallel(source).state_dict()
     assert list(saved) == ["module.module.weight", "module.module.bias"]
     target = Holder()
     paratrain.load_weights(target, saved)
@@ -259,7 +268,7 @@ def test_strict_mismatch_raises_a_table_and_loads_nothing() -> None:
     model.head[1] = nn.Linear(8, 5)  # five classes instead of three
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(WeightsMismatchError) as caught:
-        paratrain.load_weights(nn.DataParallel(model), mismatched_state())
+        paratrain.load_weights(cpu_data_parallel(model), mismatched_state())
     assert isinstance(caught.value, UserError)
     message = str(caught.value)
     lines = message.splitlines()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import cpu_data_parallel
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -25,6 +26,7 @@ from paratrain.training_state import capture_rng, list_checkpoints, restore_rng
 from paratrain.training_state.store import latest_checkpoint, write_checkpoint
 
 RECIPE = "test-dropout"
+CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train there
 
 
 def _draws() -> tuple[float, float, torch.Tensor]:
@@ -133,7 +135,7 @@ def test_rt_save_and_load_resume_a_users_loop_exactly(tmp_path: Path) -> None:
 
 def test_rt_save_plain_names_and_clear_errors(tmp_path: Path) -> None:
     rt = paratrain.Runtime(strategy="cpu")
-    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    wrapped = cpu_data_parallel(nn.Linear(2, 2))
     rt.save(tmp_path / "sub" / "s.pt", {"net": wrapped, "note": "hi", "t": torch.ones(2)})
     assert not [p for p in (tmp_path / "sub").iterdir() if p.name != "s.pt"]  # no temp file
     fresh = nn.Linear(2, 2)
@@ -167,7 +169,7 @@ def _save_and_load_in_each_process(rt: paratrain.Runtime, path: str) -> list[lis
 
 
 def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
-    rt = paratrain.Runtime(strategy="ddp", devices=2)
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
     result = rt.launch(_save_and_load_in_each_process, str(tmp_path / "state.pt"))
     assert result is not None
     (r0, r1) = result
@@ -230,7 +232,7 @@ def test_run_stopped_at_a_step_resumes_bit_identical(
     stop: str,
     options: tuple[str, ...],
 ) -> None:
-    common = ("--recipe", dropout_recipe, "--save-every", "3", "--seed", "2", *options)
+    common = (*CPU, "--recipe", dropout_recipe, "--save-every", "3", "--seed", "2", *options)
     assert _train(capsys, "--out", str(tmp_path / "ref"), *common)[0] == 0
     assert _train(capsys, "--out", str(tmp_path / "run"), *common, "--max-steps", stop)[0] == 0
     assert not _same_weights(tmp_path / "ref", tmp_path / "run")
@@ -244,7 +246,7 @@ def test_resume_without_generator_states_is_not_exact(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, dropout_recipe: str
 ) -> None:
     """The dropout recipe really needs the generator states: the exactness tests can fail."""
-    common = ("--recipe", dropout_recipe, "--save-every", "3")
+    common = (*CPU, "--recipe", dropout_recipe, "--save-every", "3")
     assert _train(capsys, "--out", str(tmp_path / "ref"), *common)[0] == 0
     assert _train(capsys, "--out", str(tmp_path / "run"), *common, "--max-steps", "6")[0] == 0
     torch.manual_seed(1234)  # another state than the one saved
@@ -254,7 +256,7 @@ def test_resume_without_generator_states_is_not_exact(
 
 
 def test_resume_extends_a_finished_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    common = ("--recipe", "linear", "--batch-size", "100")
+    common = (*CPU, "--recipe", "linear", "--batch-size", "100")
     assert _train(capsys, "--out", str(tmp_path / "ref"), *common, "--epochs", "3")[0] == 0
     assert _train(capsys, "--out", str(tmp_path / "run"), *common, "--epochs", "2")[0] == 0
     code, err = _train(capsys, "--resume", str(tmp_path / "run"))
@@ -272,7 +274,7 @@ def test_resume_refuses_conflicting_options_and_bad_paths(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    common = ("--recipe", "linear", "--batch-size", "100", "--save-every", "2")
+    common = (*CPU, "--recipe", "linear", "--batch-size", "100", "--save-every", "2")
     assert _train(capsys, "--out", str(run), *common, "--max-steps", "5")[0] == 0
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     code, err = _train(
@@ -301,7 +303,7 @@ def test_overwrite_removes_the_old_checkpoints(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    common = ("--recipe", "linear", "--batch-size", "100", "--epochs", "1")
+    common = (*CPU, "--recipe", "linear", "--batch-size", "100", "--epochs", "1")
     assert _train(capsys, "--out", str(run), *common, "--save-every", "3")[0] == 0
     assert len(list_checkpoints(run)) == 3
     (run / "checkpoints" / "mine.txt").write_text("kept")
@@ -311,7 +313,6 @@ def test_overwrite_removes_the_old_checkpoints(
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp16_on_cuda_resumes_the_grad_scaler_and_cuda_generator(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

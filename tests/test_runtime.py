@@ -10,8 +10,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 from paratrain.errors import PlacementError, UserError
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def _data(n: int = 64) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
@@ -201,7 +199,6 @@ def test_bad_runtime_arguments(kwargs: dict[str, object], message: str) -> None:
         paratrain.Runtime(**kwargs)  # type: ignore[arg-type]
 
 
-@CUDA
 @pytest.mark.cuda
 def test_cuda_places_model_optimizer_state_and_batches() -> None:
     rt = paratrain.Runtime(strategy="cuda", devices="1")

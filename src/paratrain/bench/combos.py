@@ -143,13 +143,13 @@ def enumerate_combos(
     """Every combination, in a stable order; the ones that cannot run carry a skip reason.
 
     ``strategies=None`` means every registered strategy that can run here, except layouts
-    that only make sense as tests (see :func:`_not_by_default`). ``precisions=None`` means
+    that only make sense as tests (see :func:`not_by_default`). ``precisions=None`` means
     the ones native to each strategy's device.
     """
     spec = devices if devices is not None else default_devices()
     explicit = strategies is not None
     names = list(strategies) if strategies is not None else strategy_names(include_auto=False)
-    has_gpu = cuda_count() > 0 or mps_available()
+    gpus, mps = cuda_count(), mps_available()
     combos: list[Combo] = []
     for name in names:
         strategy, used_spec, reason = _build(name, spec)
@@ -158,7 +158,8 @@ def enumerate_combos(
             combos.append(Combo(name, "-", batch_sizes[0], spec, skip_reason=reason))
             continue
         root = strategy.root_device
-        reason = None if explicit else _not_by_default(strategy, has_gpu)
+        if not explicit:
+            reason = not_by_default(name, strategy.devices, strategy.num_processes, gpus, mps)
         if reason is not None:
             combos.append(Combo(name, "-", batch_sizes[0], used_spec, skip_reason=reason))
             continue
@@ -184,14 +185,32 @@ def enumerate_combos(
     return combos
 
 
-def _not_by_default(strategy: Strategy, has_gpu: bool) -> str | None:
-    """Why the default set leaves a runnable layout out: CPU layouts on a machine with a
-    GPU, and one process driving the same device twice (threads sharing one CPU)."""
+def not_by_default(
+    name: str,
+    devices: Sequence[torch.device],
+    processes: int,
+    cuda_devices: int,
+    mps: bool = False,
+) -> str | None:
+    """Why the default set leaves out strategy ``name`` on ``devices`` (run by ``processes``
+    processes) on a machine with ``cuda_devices`` CUDA GPUs (and MPS or not); None: measure it.
+
+    Left out: CPU layouts on a machine with a GPU; a layout for several devices (dp,
+    dp-balanced, ddp) on a machine with one CUDA GPU, where it runs on that GPU alone (the
+    cuda layout plus its own overhead); one process driving the same device twice (threads
+    sharing one CPU). Each stays measurable by naming it in ``--strategies``.
+    """
     hint = "name it in --strategies to measure it"
-    if has_gpu and strategy.root_device.type == "cpu":
+    if (cuda_devices > 0 or mps) and devices[0].type == "cpu":
         return f"a CPU layout on a machine with a GPU; {hint}"
-    devices = strategy.devices
-    if strategy.num_processes == 1 and len(set(devices)) < len(devices):
+    several = not issubclass(strategy_class(name), SingleDeviceStrategy)
+    if several and cuda_devices == 1 and devices[0].type == "cuda":
+        return (
+            "a layout for several GPUs on a machine with one, not a speed-up over cuda; "
+            "name it in --strategies to measure its code path (dp and dp-balanced with "
+            "--devices cuda:0,cuda:0 run two replicas on it)"
+        )
+    if processes == 1 and len(set(devices)) < len(devices):
         return f"one process repeating a device is a test layout, not a speed-up; {hint}"
     return None
 

@@ -24,20 +24,51 @@ from paratrain.errors import UserError
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 PICKLE_PROTO = 0x80  # every pickle of protocol 2+ starts with PROTO
+#: the safetensors library refuses headers above this size
+SAFETENSORS_MAX_HEADER = 100_000_000
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING"}
 _SCAN_LIMIT = 64 * 2**20  # pickles of weights are small; the tensor bytes live elsewhere
 
 
 def sniff(path: Path) -> str:
-    """``safetensors``, ``torch`` or ``unknown``, from the first bytes, not the name."""
-    head = _head(path, 9)
-    if head.startswith(ZIP_MAGIC) or (head and head[0] == PICKLE_PROTO):
-        return "torch"
-    if len(head) == 9 and head[8:9] == b"{":  # 8-byte header length, then a JSON header
+    """``safetensors``, ``torch`` or ``unknown``, from the contents, not the name.
+
+    A safetensors file is recognised by its structure first: its first 8 bytes are a length
+    and that many bytes of JSON object follow. Its first byte is that length's lowest byte,
+    so it can be anything, 0x80 (pickle's PROTO) and ``P`` (zip's magic) included.
+    """
+    if is_safetensors(path):
         return "safetensors"
+    head = _head(path, 9)
+    if head.startswith(ZIP_MAGIC):
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":  # a safetensors header cut short
+        return "safetensors"
+    if head and head[0] == PICKLE_PROTO:
+        return "torch"
     if path.suffix == ".safetensors":
         return "safetensors"
     return "unknown"
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether ``path`` starts with a complete safetensors header: an 8-byte little-endian
+    length N, then N bytes (all inside the file) holding a JSON object. Reads only those."""
+    head = _head(path, 8)
+    if len(head) < 8:
+        return False
+    length = struct.unpack("<Q", head)[0]
+    if length < 2 or length > SAFETENSORS_MAX_HEADER or 8 + length > path.stat().st_size:
+        return False
+    with open(path, "rb") as handle:
+        handle.seek(8)
+        header = handle.read(length)
+    if not header.startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(header), dict)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or absurdly nested
+        return False
 
 
 def _head(path: Path, size: int) -> bytes:
@@ -109,7 +140,10 @@ def read_torch(path: Path) -> Any:
         with warnings.catch_warnings():
             # torch warns about pickle protocols it may not support; the error below is clearer
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            # A handle, not the path: torch.load reads a path ending in .safetensors as
+            # safetensors, whatever it holds.
+            with open(path, "rb") as handle:
+                return torch.load(handle, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         code = pickled_globals(path)
         if code:
