@@ -19,6 +19,7 @@ import torch
 from conftest import CLI, subprocess_env
 from safetensors.torch import load_file
 
+
 def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
