@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain.data_paths import setup_data_path
 from paratrain.errors import PlacementError, UserError
-from paratrain.loaders import DeviceLoader, shard_loader
+from paratrain.loaders import DeviceLoader
 from paratrain.optim import RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
@@ -211,22 +212,33 @@ class Runtime:
         model.forward = guarded_forward
         return model
 
-    def setup_loader(self, loader: DataLoader[Any], evaluation: bool = False) -> DeviceLoader:
+    def setup_loader(
+        self,
+        loader: DataLoader[Any],
+        evaluation: bool = False,
+        *,
+        data_path: str = "auto",
+        device_budget_gib: float | None = None,
+    ) -> DeviceLoader:
         """Deliver ``loader``'s batches on this process's device, sharded across processes.
 
         Every layout sees the same global batches (the loader's ``batch_size`` is the global
         batch). ``evaluation=True``: every sample exactly once over all processes, no padding.
+        ``data_path``: how batches are made (auto, loader, batched, device; see
+        :mod:`paratrain.data_paths`), the same batches whichever.
         """
         self._connect()
-        rebuilt, sampler = shard_loader(
+        return setup_data_path(
             loader,
+            device=self.device,
             rank=self.rank,
             world_size=self.strategy.data_shards,
             seed=self.seed,
             evaluation=evaluation,
-            pin_memory=self.device.type == "cuda",
+            sink=None if evaluation else self,
+            data_path=data_path,
+            device_budget_gib=device_budget_gib,
         )
-        return DeviceLoader(rebuilt, self.device, sampler, None if evaluation else self)
 
     def to_device(self, obj: T) -> T:
         """Move tensors (nested in tuples, lists, dicts) to this process's device."""
