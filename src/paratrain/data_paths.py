@@ -29,15 +29,21 @@ DATA_PATHS = ("auto", "loader", "batched", "device")
 DEVICE_SHARE = 0.25
 ACCELERATORS = ("cuda", "mps")
 _GIB = 2**30
+_NO_ACCELERATOR = 'it needs a CUDA or MPS device, and this process trains on {}; use "batched"'
 
 
-def check_data_path(data_path: str, device_budget_gib: float | None = None) -> None:
+def check_data_path(
+    data_path: str, device_budget_gib: float | None = None, device: torch.device | None = None
+) -> None:
+    """Refuse an unknown path, a budget that is not positive, and ``device`` off accelerators."""
     if data_path not in DATA_PATHS:
         raise UserError(
             f"unknown data path {data_path!r}; valid data paths: {', '.join(DATA_PATHS)}"
         )
     if device_budget_gib is not None and not device_budget_gib > 0:
         raise UserError(f"the device budget must be a positive GiB figure, got {device_budget_gib}")
+    if data_path == "device" and device is not None and device.type not in ACCELERATORS:
+        raise UserError(f'data path "device" does not apply: {_NO_ACCELERATOR.format(device)}')
 
 
 def device_budget_bytes(device: torch.device, device_budget_gib: float | None) -> int | None:
@@ -113,7 +119,7 @@ def _device_unfit(
 ) -> str | None:
     """Why the tensors should not be copied to ``device``, or None when they fit."""
     if device.type not in ACCELERATORS:
-        return f'it needs a CUDA or MPS device, and this process trains on {device}; use "batched"'
+        return _NO_ACCELERATOR.format(device)
     budget = device_budget_bytes(device, device_budget_gib)
     if budget is None:
         return f"{device} does not say how much memory is free; pass --device-budget-gib"
