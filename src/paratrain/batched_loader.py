@@ -66,8 +66,8 @@ class TensorBatchLoader(DeviceLoader):
 
 
 def _pinned_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``tensor[index]`` gathered straight into pinned memory (one copy, as a DataLoader's
-    pinning thread would make after collating). A fresh buffer per batch: the caching host
-    allocator reuses it only once the copy that reads it has finished."""
+    """``tensor[index]`` gathered straight into pinned memory: one host copy, where the
+    DataLoader path collates and then pins a second. A fresh buffer per batch: the caching
+    host allocator reuses it only once the copy that reads it has finished."""
     out = torch.empty((index.numel(), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=True)
     return torch.index_select(tensor, 0, index, out=out)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ def check_data_path(
         raise UserError(
             f"unknown data path {data_path!r}; valid data paths: {', '.join(DATA_PATHS)}"
         )
-    if device_budget_gib is not None and not device_budget_gib > 0:
+    if device_budget_gib is not None and not 0 < device_budget_gib < math.inf:
         raise UserError(f"the device budget must be a positive GiB figure, got {device_budget_gib}")
     if data_path == "device" and device is not None and device.type not in ACCELERATORS:
         raise UserError(f'data path "device" does not apply: {_NO_ACCELERATOR.format(device)}')
