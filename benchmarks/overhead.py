@@ -6,11 +6,15 @@ Lightning Fabric when installed), same model and data on the CPU, interleaved ro
     python benchmarks/overhead.py --rounds 30
 
 Prints one line per contender: median step time, spread, and the ratio to plain PyTorch.
+``paratrain`` sets the loader up with the default data path (``auto``: on the CPU, batches
+cut out of the TensorDataset by index); ``paratrain-loader`` keeps the DataLoader's
+per-sample path, which shows the runtime's own cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import random
@@ -67,13 +71,13 @@ def plain_pytorch(batch: int, steps: int) -> EpochFn:
     return epoch_fn(loader, model, optimizer, torch.Tensor.backward)
 
 
-def paratrain_runtime(batch: int, steps: int) -> EpochFn:
+def paratrain_runtime(batch: int, steps: int, data_path: str = "auto") -> EpochFn:
     import paratrain
 
     rt = paratrain.Runtime(strategy="cpu")
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = rt.setup(model, optimizer)
-    device_loader = rt.setup_loader(loader)
+    device_loader = rt.setup_loader(loader, data_path=data_path)
     return epoch_fn(device_loader, model, optimizer, rt.backward)
 
 
@@ -99,6 +103,7 @@ def fabric_loop(batch: int, steps: int) -> EpochFn:
 CONTENDERS: dict[str, tuple[Callable[[int, int], EpochFn], str | None]] = {
     "pytorch": (plain_pytorch, None),
     "paratrain": (paratrain_runtime, None),
+    "paratrain-loader": (functools.partial(paratrain_runtime, data_path="loader"), None),
     "accelerate": (accelerate_loop, "accelerate"),
     "fabric": (fabric_loop, "lightning_fabric"),
 }
@@ -118,7 +123,7 @@ def main() -> None:
     for name, (build, module) in CONTENDERS.items():
         if module is not None and importlib.util.find_spec(module) is None:
             print(
-                f"{name:>10}: skipped ({module} is not installed: pip install 'paratrain[peers]')"
+                f"{name:>16}: skipped ({module} is not installed: pip install 'paratrain[peers]')"
             )
             continue
         epochs[name] = build(args.batch, args.steps)
@@ -142,7 +147,7 @@ def main() -> None:
     for name, samples in times.items():
         median = statistics.median(samples)
         print(
-            f"{name:>10}: median step {median * 1e6:8.1f} us "
+            f"{name:>16}: median step {median * 1e6:8.1f} us "
             f"(min {min(samples) * 1e6:.1f}, max {max(samples) * 1e6:.1f}), "
             f"ratio {median / base:.3f}"
         )

@@ -69,11 +69,13 @@ def test_digits_split_is_a_partition() -> None:
 def test_load_cifar10_from_fake_batches(tmp_path: Path) -> None:
     write_fake_cifar_batches(tmp_path, n_per_batch=8, seed=1)
     train, test = load_cifar10(tmp_path)
-    x, y = train.tensors
-    assert x.shape == (40, 3, 32, 32) and x.dtype == torch.float32
+    images, y = train.tensors  # kept as bytes, normalised when read
+    assert images.shape == (40, 3, 32, 32) and images.dtype == torch.uint8
     assert y.shape == (40,) and y.dtype == torch.int64
     assert test.tensors[0].shape == (8, 3, 32, 32)
     assert int(y.min()) >= 0 and int(y.max()) <= 9
+    x = train[0][0]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32
 
     # Normalisation: pixel p of channel c becomes (p / 255 - mean[c]) / std[c].
     with (tmp_path / "data_batch_1").open("rb") as fh:
@@ -81,7 +83,7 @@ def test_load_cifar10_from_fake_batches(tmp_path: Path) -> None:
     first = raw[b"data"][0].reshape(3, 32, 32).astype(np.float32) / 255.0
     mean = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32).reshape(3, 1, 1)
     std = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32).reshape(3, 1, 1)
-    np.testing.assert_allclose(x[0].numpy(), (first - mean) / std, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x.numpy(), (first - mean) / std, rtol=1e-5, atol=1e-5)
     assert y[:8].tolist() == raw[b"labels"]
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
@@ -61,6 +62,10 @@ class TrainConfig:
     keep: int = 3
     #: the checkpoint directory this run continues from (set by ``--resume``)
     resume_from: str | None = None
+    #: how batches are made: auto, loader, batched or device (paratrain.data_paths)
+    data_path: str = "auto"
+    #: GiB of data the device path may copy to each device (default: a share of its free memory)
+    device_budget_gib: float | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -92,6 +97,7 @@ class TrainConfig:
         recipe.check_data_options(cfg.data_dir, cfg.synthetic)
         strategy = build_strategy(cfg.strategy, cfg.devices)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
+        check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
         assert cfg.batch_size is not None
         if cfg.batch_size < len(strategy.devices):
             raise UserError(

@@ -62,7 +62,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
         self.start_batch = start_batch
 
-    def _order(self) -> torch.Tensor:
+    def order(self) -> torch.Tensor:
+        """The epoch's order of sample indices (a seeded permutation, or 0..n-1)."""
         if not self.shuffle:
             return torch.arange(self.num_samples)
         generator = torch.Generator()
@@ -87,15 +88,20 @@ class ShardedBatchSampler(Sampler[list[int]]):
         start = self.rank * base + min(self.rank, extra)
         return start, start + base + (1 if self.rank < extra else 0)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        order: list[int] = self._order().tolist()  # plain lists: slicing costs no tensor ops
+    def spans(self) -> Iterator[tuple[int, int]]:
+        """Where this process's part of each remaining batch lies in :meth:`order`."""
         position = 0
         for index, size in enumerate(self.global_batch_sizes()):
             if index >= self.start_batch:
                 start, end = self.local_span(size)
                 if end > start:
-                    yield order[position + start : position + end]
+                    yield position + start, position + end
             position += size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order: list[int] = self.order().tolist()  # plain lists: slicing costs no tensor ops
+        for start, end in self.spans():
+            yield order[start:end]
 
     def __len__(self) -> int:
         sizes = self.global_batch_sizes()[self.start_batch :]
@@ -104,6 +110,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
 class DeviceLoader:
     """Wraps a DataLoader: same global batches on every layout, delivered on the device."""
+
+    #: how batches are made: "loader" (the DataLoader's samples and collate); subclasses
+    #: that cut whole batches out of tensors say "batched" or "device"
+    data_path = "loader"
 
     def __init__(
         self,
@@ -155,18 +165,22 @@ class DeviceLoader:
         self._epoch_set_by_user = False
         sink = self._sink
         if sink is None:
-            for batch in self.loader:
-                yield move_to_device(batch, self.device)
+            yield from self._batches()
             return
         weights = self._loss_weights()
         last = len(self.loader) - 1
-        for index, batch in enumerate(self.loader):
+        for index, batch in enumerate(self._batches()):
             if weights is not None:
                 sink.loss_weight = weights[index]
             sink.at_last_batch = index == last
             yield move_to_device(batch, self.device)
         sink.loss_weight = 1.0
         sink.at_last_batch = False
+
+    def _batches(self) -> Iterator[Any]:
+        """The epoch's batches on the device, once the epoch is chosen."""
+        for batch in self.loader:
+            yield move_to_device(batch, self.device)
 
 
 def shard_loader(

@@ -172,10 +172,18 @@ def _loaders(
     rt: Runtime, cfg: TrainConfig, drop_last: bool, train_set: Any, test_set: Any
 ) -> tuple[DeviceLoader, DeviceLoader]:
     """The training loader (shuffled, global batches) and the evaluation loader."""
+    path, budget = cfg.data_path, cfg.device_budget_gib
     train_loader = rt.setup_loader(
-        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=drop_last)
+        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=drop_last),
+        data_path=path,
+        device_budget_gib=budget,
     )
-    test_loader = rt.setup_loader(DataLoader(test_set, batch_size=cfg.batch_size), evaluation=True)
+    test_loader = rt.setup_loader(
+        DataLoader(test_set, batch_size=cfg.batch_size),
+        evaluation=True,
+        data_path=path,
+        device_budget_gib=budget,
+    )
     return train_loader, test_loader
 
 

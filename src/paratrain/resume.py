@@ -4,8 +4,9 @@ The configuration comes from the run's ``config.json``. Options given with ``--r
 may change only what does not alter the training already done: ``--epochs`` and
 ``--max-steps`` (train further, or stop elsewhere), ``--strategy`` and ``--devices`` (the
 data position is a global batch index, the same in every layout), ``--data-dir`` (the same
-data moved), ``--save-every``, ``--keep``, ``--no-progress`` and ``--deterministic``. Any
-other option that differs from the run's stops before training with a message naming each
+data moved), ``--data-path`` and ``--device-budget-gib`` (the same batches made another
+way), ``--save-every``, ``--keep``, ``--no-progress`` and ``--deterministic``. Any other
+option that differs from the run's stops before training with a message naming each
 difference.
 """
 
@@ -42,6 +43,8 @@ CHANGEABLE = frozenset(
         "keep",
         "progress",
         "deterministic",
+        "data_path",
+        "device_budget_gib",
     }
 )
 

@@ -25,10 +25,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain.collective import ReduceOp
+from paratrain.data_paths import setup_data_path
 from paratrain.determinism import make_deterministic, nondeterministic_operation, numerics_settings
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch
-from paratrain.loaders import DeviceLoader, shard_loader
+from paratrain.loaders import DeviceLoader
 from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
@@ -253,23 +254,33 @@ class Runtime:
 
         return call
 
-    def setup_loader(self, loader: DataLoader[Any], evaluation: bool = False) -> DeviceLoader:
+    def setup_loader(
+        self,
+        loader: DataLoader[Any],
+        evaluation: bool = False,
+        *,
+        data_path: str = "auto",
+        device_budget_gib: float | None = None,
+    ) -> DeviceLoader:
         """Deliver ``loader``'s batches on this process's device, sharded across processes.
 
         Every layout sees the same global batches (the loader's ``batch_size`` is the global
         batch). ``evaluation=True``: every sample exactly once over all processes, no padding.
+        ``data_path``: how batches are made (auto, loader, batched, device; see
+        :mod:`paratrain.data_paths`), the same batches whichever.
         """
         self._connect()
-        rebuilt, sampler = shard_loader(
+        return setup_data_path(
             loader,
+            device=self.device,
             rank=self.rank,
             world_size=self.strategy.data_shards,
             seed=self.seed,
             evaluation=evaluation,
-            pin_memory=self.device.type == "cuda",
+            sink=None if evaluation else self.accumulation,
+            data_path=data_path,
+            device_budget_gib=device_budget_gib,
         )
-        sink = None if evaluation else self.accumulation
-        return DeviceLoader(rebuilt, self.device, sampler, sink)
 
     def to_device(self, obj: T) -> T:
         """Move tensors (nested in tuples, lists, dicts) to this process's device."""

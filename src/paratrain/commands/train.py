@@ -60,6 +60,17 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help="continue the run in DIR from its newest checkpoint (or DIR/checkpoints/step-N)",
     )
+    p.add_argument(
+        "--data-path",
+        metavar="PATH",
+        help="how batches are made: auto (default), loader, batched, device (same batches)",
+    )
+    p.add_argument(
+        "--device-budget-gib",
+        type=float,
+        metavar="GIB",
+        help="data the device path may copy to each device (default: 1/4 of its free memory)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Every option left out stays None, so that --resume knows which ones were given.
     p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))

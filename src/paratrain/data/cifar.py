@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from paratrain.data.images import NormalizedImages
 from paratrain.errors import UserError
 
 CIFAR_FILES = (
@@ -142,18 +143,17 @@ def _find_batch_dir(data_dir: Path) -> Path:
     )
 
 
-def _to_dataset(data: np.ndarray, labels: np.ndarray) -> TensorDataset:
+def _to_dataset(data: np.ndarray, labels: np.ndarray) -> NormalizedImages:
     # Rows are 1024 red, 1024 green, then 1024 blue bytes, so NCHW is a plain reshape.
-    x = torch.from_numpy(data.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
-    mean = torch.tensor(CIFAR_MEAN, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(CIFAR_STD, dtype=torch.float32).view(1, 3, 1, 1)
-    x = (x - mean) / std
-    return TensorDataset(x, torch.from_numpy(labels.astype(np.int64)))
+    x = torch.from_numpy(np.require(data.reshape(-1, 3, 32, 32), requirements=["C", "W"]))
+    return NormalizedImages(x, torch.from_numpy(labels.astype(np.int64)), CIFAR_MEAN, CIFAR_STD)
 
 
-def load_cifar10(data_dir: str | Path) -> tuple[TensorDataset, TensorDataset]:
-    """Return (train, test) normalised float32 images (N,3,32,32) and int64 labels.
+def load_cifar10(data_dir: str | Path) -> tuple[NormalizedImages, NormalizedImages]:
+    """Return (train, test): samples are normalised float32 images (3,32,32), int64 labels.
 
+    The images stay uint8 in memory and are normalised per sample or per batch
+    (:class:`~paratrain.data.images.NormalizedImages`), to the same floats either way.
     ``data_dir`` may hold the batch files or the extracted ``cifar-10-batches-py`` folder.
     """
     batch_dir = _find_batch_dir(Path(data_dir).expanduser())
