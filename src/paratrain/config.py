@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
+from paratrain.speed import SpeedOptions, check_speed
 from paratrain.strategies import build_strategy, check_sync_batchnorm
 
 DEFAULT_RECIPE = "digits"
@@ -59,6 +60,10 @@ class TrainConfig:
     keep: int = 3
     #: the checkpoint directory this run continues from (set by ``--resume``)
     resume_from: str | None = None
+    #: torch.compile: None (off), "auto" (--compile) or a mode (--compile MODE)
+    compile: str | None = None
+    #: None: automatic (a model with Conv2d on CUDA); --channels-last / --no-channels-last
+    channels_last: bool | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -90,6 +95,7 @@ class TrainConfig:
         recipe.check_data_options(cfg.data_dir, cfg.synthetic)
         strategy = build_strategy(cfg.strategy, cfg.devices)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
+        check_speed(strategy, cfg.speed_options())
         assert cfg.batch_size is not None
         if cfg.batch_size < len(strategy.devices):
             raise UserError(
@@ -106,7 +112,11 @@ class TrainConfig:
             seed=self.seed,
             accumulate=self.accumulate,
             sync_batchnorm=self.sync_batchnorm,
+            speed=self.speed_options(),
         )
+
+    def speed_options(self) -> SpeedOptions:
+        return SpeedOptions.of(self.compile, self.channels_last)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

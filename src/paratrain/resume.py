@@ -4,7 +4,8 @@ The configuration comes from the run's ``config.json``. Options given with ``--r
 may change only what does not alter the training already done: ``--epochs`` and
 ``--max-steps`` (train further, or stop elsewhere), ``--strategy`` and ``--devices`` (the
 data position is a global batch index, the same in every layout), ``--data-dir`` (the same
-data moved), ``--save-every``, ``--keep`` and ``--no-progress``. Any other option that
+data moved), ``--save-every``, ``--keep``, ``--no-progress``, ``--compile`` and
+``--[no-]channels-last``. Any other option that
 differs from the run's stops before training with a message naming each difference.
 """
 
@@ -32,6 +33,7 @@ from paratrain.training_state.store import (
 
 CHANGEABLE = frozenset(
     {"epochs", "max_steps", "strategy", "devices", "data_dir", "save_every", "keep", "progress"}
+    | {"compile", "channels_last"}  # how fast, not what is trained
 )
 
 
