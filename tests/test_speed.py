@@ -118,11 +118,19 @@ def test_compiled_forward_runs_under_bf16_autocast() -> None:
     assert set(plain_state_dict(model)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
-def test_ddp_compiled_model_still_skips_gradient_sync() -> None:
+def test_ddp_compiles_the_wrapped_model_and_still_skips_gradient_sync() -> None:
+    torch.manual_seed(0)
+    net, x = nn.Linear(3, 1), torch.randn(4, 3)
+    net(x).sum().backward()
+    expected = net.weight.grad.clone()
+    net.zero_grad()
     rt = paratrain.Runtime(strategy="ddp", devices="cpu", compile=True)
-    model = rt.setup(nn.Linear(3, 1))
-    ddp = model._orig_mod
+    model = rt.setup(net)
+    ddp = model._orig_mod  # torch.compile(DDP(model)), as torch recommends
     assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+    with rt.accumulate(model):
+        rt.backward(model(x).sum())
+    assert torch.allclose(net.weight.grad, expected)
     with rt.strategy.no_sync(model):
         assert not ddp.require_backward_grad_sync
     rt.teardown()
