@@ -59,7 +59,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         run = Path(tmp)
         layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
-        saver = Checkpointer(layout, run, cfg, parts, BATCHES_PER_EPOCH, Position())
+        # Written in this thread: the figures are the whole write.
+        saver = Checkpointer(
+            layout, run, cfg, parts, BATCHES_PER_EPOCH, Position(), background=False
+        )
         writes, reads = [], []
         for round_ in range(args.rounds + 1):  # the first round warms up
             start = time.perf_counter()

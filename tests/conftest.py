@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.data.cifar_cache import CACHE_VARIABLE
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -65,6 +67,12 @@ def clean_process_state() -> Iterator[None]:
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_data_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Decoded CIFAR caches go to the test session's own folder, not the user's."""
+    os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("data-cache"))
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The test's environment for a child process: no launcher variables, one thread each
     (two cores shared by several processes), plus ``extra``."""
@@ -72,7 +80,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         key: value
         for key, value in os.environ.items()
         if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        and not key.startswith("PARATRAIN_")
+        and (not key.startswith("PARATRAIN_") or key == CACHE_VARIABLE)
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env

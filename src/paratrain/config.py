@@ -11,6 +11,7 @@ from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
+from paratrain.speed import SpeedOptions, check_speed
 from paratrain.strategies import build_strategy, check_sync_batchnorm
 
 DEFAULT_RECIPE = "digits"
@@ -66,6 +67,10 @@ class TrainConfig:
     data_path: str = "auto"
     #: GiB of data the device path may copy to each device (default: a share of its free memory)
     device_budget_gib: float | None = None
+    #: torch.compile: None (off), "auto" (--compile) or a mode (--compile MODE)
+    compile: str | None = None
+    #: None: automatic (a model with Conv2d on CUDA); --channels-last / --no-channels-last
+    channels_last: bool | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -98,6 +103,7 @@ class TrainConfig:
         strategy = build_strategy(cfg.strategy, cfg.devices)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
+        check_speed(strategy, cfg.speed_options())
         assert cfg.batch_size is not None
         if cfg.batch_size < len(strategy.devices):
             raise UserError(
@@ -115,7 +121,11 @@ class TrainConfig:
             accumulate=self.accumulate,
             sync_batchnorm=self.sync_batchnorm,
             deterministic=self.deterministic,
+            speed=self.speed_options(),
         )
+
+    def speed_options(self) -> SpeedOptions:
+        return SpeedOptions.of(self.compile, self.channels_last)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

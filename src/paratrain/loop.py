@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from paratrain import rundir
 from paratrain.config import TrainConfig
 from paratrain.loaders import DeviceLoader
+from paratrain.loop_timing import LoopClock, LoopTimes
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
@@ -37,6 +39,7 @@ class Summary:
     eval_loss: float
     eval_accuracy: float | None
     samples_per_second: float
+    times: LoopTimes = field(default_factory=LoopTimes)
 
     def line(self, directory: Path | None) -> str:
         accuracy = "" if self.eval_accuracy is None else f", test accuracy {self.eval_accuracy:.2%}"
@@ -44,7 +47,7 @@ class Summary:
         return (
             f"trained {self.epochs} epoch(s), {self.steps} steps in {self.seconds:.1f}s "
             f"({self.samples_per_second:,.0f} samples/s): train loss {self.train_loss:.4f}, "
-            f"test loss {self.eval_loss:.4f}{accuracy}{where}"
+            f"test loss {self.eval_loss:.4f}{accuracy}{self.times.line(self.seconds)}{where}"
         )
 
 
@@ -96,12 +99,16 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
         writer = rundir.MetricsWriter(directory / rundir.METRICS, keep_lines)
         rundir.write_config(directory, _config_payload(rt, cfg, "running"))
     saver = Checkpointer(layout, directory, cfg, parts, batches_per_epoch, at, writer)
+    timings = None
+    if directory is not None and rt.is_main:
+        timings = rundir.MetricsWriter(directory / rundir.TIMINGS)
 
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
     step, samples, start = at.step, 0, time.perf_counter()
+    clock = LoopClock(rt.device)
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
     accuracy = last.get("eval_accuracy")
@@ -132,18 +139,22 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
                 samples += len(y) * rt.world_size
                 batch += 1
                 step += applied
+                clock.batch_done(samples)
                 if bar.due():
                     bar.update(step, epoch, loss.item(), samples)
                 if applied and saver.due(step, batch):
-                    saver.save(epoch, batch, step, loss_sum, count)
+                    with clock.measure("checkpoint"):
+                        saver.save(epoch, batch, step, loss_sum, count)
                 if step >= total:
                     break
             if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
-                saver.save(epoch, batch, step, loss_sum, count)
+                with clock.measure("checkpoint"):
+                    saver.save(epoch, batch, step, loss_sum, count)
             train_loss = _mean_over_processes(rt, loss_sum, count)
-            eval_loss, accuracy = evaluate(
-                rt, model, test_loader, plain_loss, recipe.classification
-            )
+            with clock.measure("eval"):
+                eval_loss, accuracy = evaluate(
+                    rt, model, test_loader, plain_loss, recipe.classification
+                )
             bar.update(step, epoch, train_loss, samples)
             if writer is not None:
                 writer.write(_record(epoch, step, "train", train_loss, None))
@@ -154,18 +165,30 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
                 "eval_accuracy": accuracy,
             }
             if batch == batches_per_epoch:
-                saver.save(epoch + 1, 0, step)
+                with clock.measure("checkpoint"):
+                    saver.save(epoch + 1, 0, step)
+            if timings is not None:
+                timings.write(clock.end_epoch(epoch, step))
             if step >= total:
                 break
+    with clock.measure("checkpoint"):
+        saver.wait()  # the last checkpoint is complete before the run is marked finished
     seconds = time.perf_counter() - start
     summary = Summary(
         epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
     )
+    summary.times = clock.times(samples)
+    if timings is not None:
+        timings.close()
     if writer is not None and directory is not None:
         writer.close()
         _finish(rt, cfg, model, directory, summary)
     rt.barrier()
     return summary
+
+
+#: the evaluation batch is this many times the training batch
+EVAL_BATCH_FACTOR = 4
 
 
 def _loaders(
@@ -178,8 +201,12 @@ def _loaders(
         data_path=path,
         device_budget_gib=budget,
     )
+    # Evaluation keeps no activations for a backward pass: a larger batch (EVAL_BATCH_FACTOR
+    # times the training batch) launches fewer kernels; every sample still counts once.
+    assert cfg.batch_size is not None
+    eval_batch = cfg.batch_size * EVAL_BATCH_FACTOR
     test_loader = rt.setup_loader(
-        DataLoader(test_set, batch_size=cfg.batch_size),
+        DataLoader(test_set, batch_size=eval_batch),
         evaluation=True,
         data_path=path,
         device_budget_gib=budget,
@@ -200,7 +227,7 @@ def _finish(
     """The final weights, then config.json marked finished with the summary."""
     save_weights(model, directory / rundir.WEIGHTS)
     payload = _config_payload(rt, cfg, "finished")
-    payload["summary"] = summary.__dict__
+    payload["summary"] = dataclasses.asdict(summary)
     rundir.write_config(directory, payload)
 
 

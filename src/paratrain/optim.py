@@ -47,17 +47,43 @@ class Accumulation:
         return self.micro_steps + 1 >= self.steps or self.at_last_batch
 
 
+_SCALER_ATTRIBUTES = frozenset({"grad_scale", "found_inf"})
+
+
 class _BaseStep:
     """The original optimizer's own ``step``, immune to instance patches (LR schedulers
     patch ``step`` on the instance; calling through it would recurse into ours)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._step_supports_amp_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True for fused optimizers: GradScaler then lets their kernel unscale."""
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _SCALER_ATTRIBUTES:
+            return getattr(self.optimizer, name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # GradScaler hands a fused optimizer the scale and the inf flag as attributes
+        # (grad_scale, found_inf) that its step reads: they must land on the optimizer.
+        if name in _SCALER_ATTRIBUTES:
+            setattr(self.optimizer, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _SCALER_ATTRIBUTES:
+            delattr(self.optimizer, name)
+        else:
+            super().__delattr__(name)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         return type(self.optimizer).step(self.optimizer, *args, **kwargs)

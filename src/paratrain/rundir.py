@@ -1,6 +1,7 @@
 """The output directory of a `paratrain train` run and its contract.
 
 metrics.jsonl      one JSON object per line: epoch, step, split, loss (+ accuracy)
+timings.jsonl      one JSON object per epoch: its seconds, eval_seconds, checkpoint_seconds
 model.safetensors  final weights, plain parameter names
 config.json        resolved configuration, devices, versions, status and summary
 checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.training_state)
@@ -24,7 +25,8 @@ from paratrain.version import __version__
 METRICS = "metrics.jsonl"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-OWN_FILES = (METRICS, WEIGHTS, CONFIG)
+TIMINGS = "timings.jsonl"
+OWN_FILES = (METRICS, WEIGHTS, CONFIG, TIMINGS)
 
 
 def default_out(recipe: str) -> Path:

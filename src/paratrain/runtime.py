@@ -17,7 +17,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -34,6 +34,7 @@ from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
 from paratrain.seeding import seed_everything
+from paratrain.speed import Speed, SpeedOptions
 from paratrain.strategies import (
     Strategy,
     build_strategy,
@@ -60,6 +61,7 @@ class RuntimeConfig:
     accumulate: int = 1
     sync_batchnorm: bool = False
     deterministic: bool = False
+    speed: SpeedOptions = field(default_factory=SpeedOptions)
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
@@ -83,7 +85,14 @@ class Runtime:
         accumulate: int = 1,
         sync_batchnorm: bool = False,
         deterministic: bool = False,
+        compile: bool | str | None = False,
+        channels_last: bool | None = None,
+        fused_optimizer: bool | None = None,
     ) -> None:
+        """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
+        ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
+        ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
+        (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.speed`."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -91,6 +100,7 @@ class Runtime:
         if devices is None:
             devices = os.environ.get(DEVICES_VARIABLE) or None
         spec = None if devices is None else str(devices)
+        speed = SpeedOptions.of(compile, channels_last, fused_optimizer)
         self.config = RuntimeConfig(
             strategy,
             spec,
@@ -99,9 +109,11 @@ class Runtime:
             accumulate,
             sync_batchnorm,
             deterministic,
+            speed,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
+        self.speed = Speed(speed, self.strategy)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.seed = seed
         self.accumulation = Accumulation(steps=accumulate)
@@ -118,6 +130,9 @@ class Runtime:
             config.accumulate,
             config.sync_batchnorm,
             config.deterministic,
+            config.speed.compile,
+            config.speed.channels_last,
+            config.speed.fused_optimizer,
         )
 
     @property
@@ -188,7 +203,9 @@ class Runtime:
         if self.config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(self.device)
+        self.speed.prepare_model(model)
         wrapped = self.strategy.wrap_model(model)
+        wrapped = self.speed.wrap_model(wrapped)
         wrapped = self._guard_forward(wrapped)
         wrapped = self.precision.wrap_forward(wrapped)
         if self.config.deterministic:
@@ -214,6 +231,7 @@ class Runtime:
                     "model.parameters() of the model you pass to rt.setup"
                 )
         move_optimizer_state(optimizer, self.device)
+        self.speed.prepare_optimizer(optimizer)
         if self.precision.scaler is None and self.accumulate_steps == 1:
             return optimizer
         return RuntimeOptimizer(optimizer, self.precision, self.accumulation)  # type: ignore[return-value]
@@ -363,4 +381,5 @@ class Runtime:
             "accumulate": self.accumulate_steps,
             "deterministic": self.config.deterministic,
             "numerics": numerics_settings(),
+            **self.speed.describe(),
         }

@@ -44,6 +44,19 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
     p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
     p.add_argument("--cifar-stem", action="store_true", help="ResNet with a 3x3 stem, no max-pool")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="auto",
+        metavar="MODE",
+        help="torch.compile the model; MODE: default, reduce-overhead, max-autotune, "
+        "max-autotune-no-cudagraphs (default: reduce-overhead on one CUDA GPU, else default)",
+    )
+    p.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        help="channels-last memory format (default: on for convolutional models on CUDA)",
+    )
 
 
 def register(subparsers: Any) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from paratrain.data.cifar_cache import cached_arrays
 from paratrain.data.images import NormalizedImages
 from paratrain.errors import UserError
 
@@ -157,11 +158,23 @@ def load_cifar10(data_dir: str | Path) -> tuple[NormalizedImages, NormalizedImag
     ``data_dir`` may hold the batch files or the extracted ``cifar-10-batches-py`` folder.
     """
     batch_dir = _find_batch_dir(Path(data_dir).expanduser())
+    arrays = cached_arrays(batch_dir, CIFAR_FILES, lambda: _decode(batch_dir))
+    return (
+        _to_dataset(arrays["train_data"], arrays["train_labels"]),
+        _to_dataset(arrays["test_data"], arrays["test_labels"]),
+    )
+
+
+def _decode(batch_dir: Path) -> dict[str, np.ndarray]:
+    """The six python batches as uint8 images (N, 3072) and int64 labels, train and test."""
     train = [_read_batch(batch_dir / name) for name in CIFAR_FILES[:-1]]
     test_data, test_labels = _read_batch(batch_dir / CIFAR_FILES[-1])
-    train_data = np.concatenate([d for d, _ in train])
-    train_labels = np.concatenate([lab for _, lab in train])
-    return _to_dataset(train_data, train_labels), _to_dataset(test_data, test_labels)
+    return {
+        "train_data": np.concatenate([d for d, _ in train]),
+        "train_labels": np.concatenate([lab for _, lab in train]),
+        "test_data": test_data,
+        "test_labels": test_labels,
+    }
 
 
 def synthetic_cifar10(n: int, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

@@ -164,6 +164,7 @@ class DDPStrategy(Strategy):
         return wrapped
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        model = getattr(model, "_orig_mod", model)  # torch.compile(DDP(model))
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()

@@ -32,11 +32,19 @@ from paratrain.checkpoint import load_weights
 from paratrain.checkpoint.readers import read_torch
 from paratrain.collective import Collective
 from paratrain.errors import UserError
+from paratrain.training_state.background import BackgroundWriter, detached_copy
 from paratrain.training_state.collect import gather_to_main
 from paratrain.training_state.rng import capture_rng, restore_rng
-from paratrain.training_state.store import STATE, WEIGHTS, FileWriter, write_checkpoint
+from paratrain.training_state.store import (
+    CHECKPOINTS,
+    STATE,
+    WEIGHTS,
+    FileWriter,
+    checkpoint_name,
+    write_checkpoint,
+)
 from paratrain.version import __version__
-from paratrain.weights import plain_state_dict
+from paratrain.weights import plain_tensors, unwrap_model
 
 FORMAT = 1
 #: settings a checkpoint can only be resumed with (the data position and step count
@@ -124,7 +132,8 @@ class Checkpointer:
     epoch, at the end of every epoch, and where ``--max-steps`` stops training mid-epoch.
 
     Every process calls :meth:`save` at the same steps (their generator states are gathered);
-    the main process writes. Without a run directory nothing is saved.
+    the main process writes, by default on a background thread (:mod:`.background`): call
+    :meth:`wait` before relying on the files. Without a run directory nothing is saved.
     """
 
     def __init__(
@@ -136,8 +145,10 @@ class Checkpointer:
         batches_per_epoch: int,
         start: Position,
         metrics: Any = None,
+        background: bool = True,
     ) -> None:
         self.layout = layout
+        self._writer = BackgroundWriter() if background else None
         self.metrics = metrics  # the main process's MetricsWriter: its line count is saved
         #: the last finished epoch's figures, saved with every checkpoint
         self.last_metrics: dict[str, Any] = dict(start.last_metrics)
@@ -166,7 +177,8 @@ class Checkpointer:
     ) -> Path | None:
         """Save the position (``batch`` global batches of ``epoch`` trained, ``step`` steps,
         this process's running ``loss_sum`` and ``samples``) and every part's state. Returns
-        the checkpoint on the main process; saves nothing twice for the same position."""
+        the checkpoint on the main process (written in the background: complete once
+        :meth:`wait` returns); saves nothing twice for the same position."""
         if self.run_dir is None or (epoch, batch, step) == self._last:
             return None
         self._last = (epoch, batch, step)
@@ -190,13 +202,28 @@ class Checkpointer:
             "last_metrics": self.last_metrics,
             "paratrain": __version__,
         }
+        # Copies, taken now: the steps trained while the files are written change nothing.
         files: dict[str, FileWriter] = {WEIGHTS: _safetensors_writer(self.parts.model)}
         for name, obj in self.parts.stateful().items():
-            files[f"{name}.pt"] = _torch_writer(obj.state_dict())
+            files[f"{name}.pt"] = _torch_writer(detached_copy(obj.state_dict()))
         for rank, part in enumerate(gathered):
-            files[rng_file(rank)] = _torch_writer(part["rng"])
+            files[rng_file(rank)] = _torch_writer(detached_copy(part["rng"]))
         files[STATE] = _json_writer(state)  # last: its presence marks a complete set
-        return write_checkpoint(self.run_dir, step, files, self.keep)
+        run_dir, keep = self.run_dir, self.keep
+        if self._writer is None:
+            return write_checkpoint(run_dir, step, files, keep)
+        self._writer.submit(lambda: write_checkpoint(run_dir, step, files, keep))
+        return run_dir / CHECKPOINTS / checkpoint_name(step)
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written; raise the error its writing ended with."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    @property
+    def background_seconds(self) -> float:
+        """Seconds spent writing checkpoints in the background so far."""
+        return self._writer.seconds if self._writer is not None else 0.0
 
 
 def load_checkpoint(
@@ -248,7 +275,8 @@ def load_checkpoint(
 
 
 def _safetensors_writer(model: nn.Module) -> FileWriter:
-    tensors = plain_state_dict(model)
+    # One copy to the CPU (from the GPU, or of CPU tensors the model goes on changing).
+    tensors = plain_tensors(detached_copy(unwrap_model(model).state_dict()))
     return lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
