@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from paratrain.batching import check_batch_size_per
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
@@ -41,6 +42,8 @@ class TrainConfig:
     devices: str | None = None
     epochs: int | None = None
     batch_size: int | None = None
+    #: what --batch-size means: "global" (every layout the same) or "process" (paratrain.batching)
+    batch_size_per: str = "global"
     lr: float | None = None
     seed: int = 0
     out: str | None = None
@@ -93,7 +96,9 @@ class TrainConfig:
         strategy = build_strategy(cfg.strategy, cfg.devices)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
         assert cfg.batch_size is not None
-        if cfg.batch_size < len(strategy.devices):
+        check_batch_size_per(cfg.batch_size_per)
+        per_process = cfg.batch_size_per == "process"
+        if cfg.batch_size * (strategy.num_processes if per_process else 1) < len(strategy.devices):
             raise UserError(
                 f"--batch-size {cfg.batch_size} is smaller than the number of devices "
                 f"({len(strategy.devices)}); every device needs at least one sample"
@@ -109,6 +114,7 @@ class TrainConfig:
             accumulate=self.accumulate,
             sync_batchnorm=self.sync_batchnorm,
             deterministic=self.deterministic,
+            batch_size_per=self.batch_size_per,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.determinism import make_deterministic, nondeterministic_operation, numerics_settings
 from paratrain.errors import PlacementError, UserError
@@ -59,9 +60,12 @@ class RuntimeConfig:
     accumulate: int = 1
     sync_batchnorm: bool = False
     deterministic: bool = False
+    #: "global" (default) or "process": what a loader's batch_size means (paratrain.batching)
+    batch_size_per: str = "global"
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
+        check_batch_size_per(self.batch_size_per)
         if self.accumulate < 1:
             raise UserError(f"accumulate must be at least 1, got {self.accumulate}")
         if self.strategy not in strategy_names():
@@ -82,6 +86,7 @@ class Runtime:
         accumulate: int = 1,
         sync_batchnorm: bool = False,
         deterministic: bool = False,
+        batch_size_per: str = "global",
     ) -> None:
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
@@ -98,6 +103,7 @@ class Runtime:
             accumulate,
             sync_batchnorm,
             deterministic,
+            batch_size_per,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
@@ -117,6 +123,7 @@ class Runtime:
             config.accumulate,
             config.sync_batchnorm,
             config.deterministic,
+            config.batch_size_per,
         )
 
     @property
@@ -257,16 +264,23 @@ class Runtime:
         """Deliver ``loader``'s batches on this process's device, sharded across processes.
 
         Every layout sees the same global batches (the loader's ``batch_size`` is the global
-        batch). ``evaluation=True``: every sample exactly once over all processes, no padding.
+        batch; with ``batch_size_per="process"`` each process's, so the global batch is
+        ``batch_size`` x processes). ``evaluation=True``: every sample exactly once over all
+        processes, no padding.
         """
         self._connect()
+        shards = self.strategy.data_shards
+        batch_size = loader.batch_size
+        if batch_size is not None:
+            batch_size = global_batch_size(batch_size, self.config.batch_size_per, shards)
         rebuilt, sampler = shard_loader(
             loader,
             rank=self.rank,
-            world_size=self.strategy.data_shards,
+            world_size=shards,
             seed=self.seed,
             evaluation=evaluation,
             pin_memory=self.device.type == "cuda",
+            batch_size=batch_size,
         )
         sink = None if evaluation else self.accumulation
         return DeviceLoader(rebuilt, self.device, sampler, sink)
