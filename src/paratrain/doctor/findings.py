@@ -42,6 +42,6 @@ class Diagnosis:
         return {
             "path": self.path,
             "style": self.style.name,
-            "migration": f'README.md, "Porting a script" > "{self.style.section}"',
+            "migration": f'README.md, "{self.style.section}"',
             "findings": [f.to_dict() for f in self.findings],
         }

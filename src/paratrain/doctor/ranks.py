@@ -34,8 +34,6 @@ def lexically_guarded(script: Script, node: ast.AST) -> bool:
     """Whether ``node`` sits under a rank test within its own function."""
     child = node
     for parent in script.ancestors(node):
-        if isinstance(parent, FUNCTIONS):
-            break
         if (
             isinstance(parent, ast.If | ast.IfExp)
             and child is not parent.test
@@ -54,6 +52,8 @@ def lexically_guarded(script: Script, node: ast.AST) -> bool:
                     and (_exits(earlier.body) or _exits(earlier.orelse))
                 ):
                     return True
+        if isinstance(parent, FUNCTIONS):
+            break
         child = parent
     return False
 

@@ -103,6 +103,9 @@ def _dataparallel_on_cpu(script: Script) -> Iterator[Hit]:
                 moved.add(name)
             elif isinstance(node.func.value, ast.Call):  # DataParallel(model).cuda()
                 moved.add(ast.unparse(node.func.value))
+            parent = script.parents.get(node)
+            if isinstance(parent, ast.Assign):  # model = Net().to(device)
+                moved.update(d for t in parent.targets if (d := dotted(t)) is not None)
     for call in script.calls(DATA_PARALLEL):
         module = keyword(call, "module", 0)
         wrapped = dotted(module) if module is not None else None
