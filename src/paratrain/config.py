@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from paratrain.batching import check_batch_size_per
 from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
@@ -43,6 +44,8 @@ class TrainConfig:
     devices: str | None = None
     epochs: int | None = None
     batch_size: int | None = None
+    #: what --batch-size means: "global" (every layout the same) or "process" (paratrain.batching)
+    batch_size_per: str = "global"
     lr: float | None = None
     seed: int = 0
     out: str | None = None
@@ -105,7 +108,9 @@ class TrainConfig:
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
         check_speed(strategy, cfg.speed_options())
         assert cfg.batch_size is not None
-        if cfg.batch_size < len(strategy.devices):
+        check_batch_size_per(cfg.batch_size_per)
+        per_process = cfg.batch_size_per == "process"
+        if cfg.batch_size * (strategy.num_processes if per_process else 1) < len(strategy.devices):
             raise UserError(
                 f"--batch-size {cfg.batch_size} is smaller than the number of devices "
                 f"({len(strategy.devices)}); every device needs at least one sample"
@@ -122,6 +127,7 @@ class TrainConfig:
             sync_batchnorm=self.sync_batchnorm,
             deterministic=self.deterministic,
             speed=self.speed_options(),
+            batch_size_per=self.batch_size_per,
         )
 
     def speed_options(self) -> SpeedOptions:

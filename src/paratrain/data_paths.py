@@ -71,8 +71,10 @@ def setup_data_path(
     sink: Any,
     data_path: str = "auto",
     device_budget_gib: float | None = None,
+    batch_size: int | None = None,
 ) -> DeviceLoader:
-    """Shard ``loader`` across processes and serve its batches the way ``data_path`` says."""
+    """Shard ``loader`` across processes and serve its batches the way ``data_path`` says;
+    ``batch_size`` is the global batch when it is not the loader's own."""
     check_data_path(data_path, device_budget_gib)
     rebuilt, sampler = shard_loader(
         loader,
@@ -81,6 +83,7 @@ def setup_data_path(
         seed=seed,
         evaluation=evaluation,
         pin_memory=device.type == "cuda",
+        batch_size=batch_size,
     )
     if data_path == "loader":
         return DeviceLoader(rebuilt, device, sampler, sink)

@@ -191,8 +191,12 @@ def shard_loader(
     seed: int,
     evaluation: bool,
     pin_memory: bool,
+    batch_size: int | None = None,
 ) -> tuple[DataLoader[Any], ShardedBatchSampler | None]:
-    """Rebuild ``loader`` around a :class:`ShardedBatchSampler` (same settings otherwise)."""
+    """Rebuild ``loader`` around a :class:`ShardedBatchSampler` (same settings otherwise).
+
+    ``batch_size``: the global batch, when it is not the loader's own (paratrain.batching).
+    """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
         if world_size > 1:
             raise UserError(
@@ -213,7 +217,7 @@ def shard_loader(
         warnings.warn("sampling with replacement is replaced by a shuffle", stacklevel=3)
     sampler = ShardedBatchSampler(
         len(loader.dataset),
-        loader.batch_size,
+        batch_size or loader.batch_size,
         shuffle=isinstance(loader.sampler, RandomSampler),
         seed=seed,
         rank=rank,

@@ -23,6 +23,7 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.recipes import get_recipe
+from paratrain.strategies import build_strategy
 from paratrain.training_state.snapshot import MUST_MATCH, read_state
 from paratrain.training_state.store import (
     CHECKPOINTS,
@@ -109,6 +110,7 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
     ).resolved(get_recipe)
     state = read_state(checkpoint)
     _check_checkpoint(cfg, checkpoint, state)
+    _check_processes(cfg, state, checkpoint)
     _check_newer(run_dir, checkpoint)
     _check_work_left(cfg, state, payload.get("status"), checkpoint)
     return cfg
@@ -157,6 +159,20 @@ def _check_checkpoint(cfg: TrainConfig, checkpoint: Path, state: dict[str, Any])
                 f"{checkpoint} was saved with {_flag(name)} {state[name]} but the run's "
                 f"{rundir.CONFIG} says {getattr(cfg, name)}; it belongs to another run"
             )
+
+
+def _check_processes(cfg: TrainConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """With --batch-size-per process the global batch depends on the number of processes,
+    so the data position (a global batch index) maps only onto the same number."""
+    if cfg.batch_size_per != "process" or "world_size" not in state:
+        return
+    processes = build_strategy(cfg.strategy, cfg.devices).num_processes
+    if processes != state["world_size"]:
+        raise UserError(
+            f"--resume: {checkpoint} was trained by {state['world_size']} process(es) with "
+            f"--batch-size-per process; {processes} would change the global batch: resume "
+            f"with {state['world_size']} process(es)"
+        )
 
 
 def _check_newer(run_dir: Path, checkpoint: Path) -> None:

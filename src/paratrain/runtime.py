@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
 from paratrain.determinism import make_deterministic, nondeterministic_operation, numerics_settings
@@ -62,9 +63,12 @@ class RuntimeConfig:
     sync_batchnorm: bool = False
     deterministic: bool = False
     speed: SpeedOptions = field(default_factory=SpeedOptions)
+    #: "global" (default) or "process": what a loader's batch_size means (paratrain.batching)
+    batch_size_per: str = "global"
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
+        check_batch_size_per(self.batch_size_per)
         if self.accumulate < 1:
             raise UserError(f"accumulate must be at least 1, got {self.accumulate}")
         if self.strategy not in strategy_names():
@@ -88,6 +92,7 @@ class Runtime:
         compile: bool | str | None = False,
         channels_last: bool | None = None,
         fused_optimizer: bool | None = None,
+        batch_size_per: str = "global",
     ) -> None:
         """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
@@ -110,6 +115,7 @@ class Runtime:
             sync_batchnorm,
             deterministic,
             speed,
+            batch_size_per,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
@@ -133,6 +139,7 @@ class Runtime:
             config.speed.compile,
             config.speed.channels_last,
             config.speed.fused_optimizer,
+            config.batch_size_per,
         )
 
     @property
@@ -283,21 +290,27 @@ class Runtime:
         """Deliver ``loader``'s batches on this process's device, sharded across processes.
 
         Every layout sees the same global batches (the loader's ``batch_size`` is the global
-        batch). ``evaluation=True``: every sample exactly once over all processes, no padding.
-        ``data_path``: how batches are made (auto, loader, batched, device; see
-        :mod:`paratrain.data_paths`), the same batches whichever.
+        batch; with ``batch_size_per="process"`` each process's, so the global batch is
+        ``batch_size`` x processes). ``evaluation=True``: every sample exactly once over all
+        processes, no padding. ``data_path``: how batches are made (auto, loader, batched,
+        device; see :mod:`paratrain.data_paths`), the same batches whichever.
         """
         self._connect()
+        shards = self.strategy.data_shards
+        batch_size = loader.batch_size
+        if batch_size is not None:
+            batch_size = global_batch_size(batch_size, self.config.batch_size_per, shards)
         return setup_data_path(
             loader,
             device=self.device,
             rank=self.rank,
-            world_size=self.strategy.data_shards,
+            world_size=shards,
             seed=self.seed,
             evaluation=evaluation,
             sink=None if evaluation else self.accumulation,
             data_path=data_path,
             device_budget_gib=device_budget_gib,
+            batch_size=batch_size,
         )
 
     def to_device(self, obj: T) -> T:

@@ -29,7 +29,17 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="auto", help=_strategy_help())
     p.add_argument("--devices", help="a count (2) or a list (0,1 / cuda:0,cuda:1 / cpu,cpu)")
     p.add_argument("--epochs", type=int, help="default: the recipe's")
-    p.add_argument("--batch-size", type=int, help="global batch size; default: the recipe's")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="batch size (global unless --batch-size-per process); default: the recipe's",
+    )
+    p.add_argument(
+        "--batch-size-per",
+        choices=("global", "process"),
+        help="what --batch-size counts: the global batch (default; the same model on every "
+        "layout) or each process's (as DDP, Horovod and Accelerate scripts mean it)",
+    )
     p.add_argument("--lr", type=float, help="learning rate; default: the recipe's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="32", help="32, bf16 or fp16")
