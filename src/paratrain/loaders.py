@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from paratrain.errors import UserError
+from paratrain.heartbeat import beat
 from paratrain.placement import move_to_device
 
 
@@ -156,6 +157,7 @@ class DeviceLoader:
         sink = self._sink
         if sink is None:
             for batch in self.loader:
+                beat()  # progress, for the hang watchdog (evaluation has no backward)
                 yield move_to_device(batch, self.device)
             return
         weights = self._loss_weights()
@@ -164,6 +166,7 @@ class DeviceLoader:
             if weights is not None:
                 sink.loss_weight = weights[index]
             sink.at_last_batch = index == last
+            beat()
             yield move_to_device(batch, self.device)
         sink.loss_weight = 1.0
         sink.at_last_batch = False

@@ -24,11 +24,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain import faults, heartbeat
 from paratrain.collective import ReduceOp
 from paratrain.determinism import make_deterministic, nondeterministic_operation, numerics_settings
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch
 from paratrain.loaders import DeviceLoader, shard_loader
+from paratrain.nonfinite import NonFiniteCheck
 from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
@@ -40,6 +42,7 @@ from paratrain.strategies import (
     strategy_names,
 )
 from paratrain.training_state import load_state, save_state
+from paratrain.uneven import join_uneven
 
 T = TypeVar("T")
 
@@ -104,6 +107,8 @@ class Runtime:
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.seed = seed
         self.accumulation = Accumulation(steps=accumulate)
+        #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
+        self.nonfinite = NonFiniteCheck()
         self._connected = False
         seed_everything(seed)
 
@@ -152,6 +157,7 @@ class Runtime:
         return self.rank == 0
 
     def _connect(self) -> None:
+        heartbeat.beat()  # every collective and setup passes here: progress for the watchdog
         if not self._connected:
             self.strategy.setup_process()
             self._connected = True
@@ -281,12 +287,29 @@ class Runtime:
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
         accumulation = self.accumulation
+        heartbeat.beat()
+        ends_step = accumulation.next_is_last()
+        loss = faults.at_step(self.rank, self.nonfinite.step + 1, loss)
+        if not self.nonfinite.admit(loss, self.strategy.collective, ends_step):
+            accumulation.micro_batch_done()  # skipped on every rank alike
+            return
         scale = accumulation.loss_weight / accumulation.steps
         backward = self.precision.backward
         if self.config.deterministic:
             backward = self._naming_nondeterministic(backward)
         backward(loss * scale if scale != 1.0 else loss)
         accumulation.micro_batch_done()
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last ``rt.backward`` was skipped for a non-finite loss
+        (``--skip-nonfinite`` / ``PARATRAIN_NONFINITE=skip``)."""
+        return self.nonfinite.skipped
+
+    def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Wrap a loop whose ranks may get different numbers of batches (torch's ``Join``):
+        a rank that runs out waits for the others instead of hanging them."""
+        return join_uneven(model, self.nonfinite)
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
