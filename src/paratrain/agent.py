@@ -114,13 +114,15 @@ def run_agent(
             try:
                 torch_run(args)
             except ChildFailedError as exc:
-                raise _failure(exc, Path(tmp), watchdog, what) from None
+                raise _failure(exc, Path(tmp), watchdog, what, nodes.max_restarts) from None
             finally:
                 for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE):
                     os.environ.pop(name, None)
 
 
-def _failure(exc: Exception, tmp: Path, watchdog: WatchdogThread | None, what: str) -> Exception:
+def _failure(
+    exc: Exception, tmp: Path, watchdog: WatchdogThread | None, what: str, restarts: int
+) -> Exception:
     """One error for the agent's failure: a hang, a rank's one-line report, or the cause
     torchrun found (rank, exit code or signal, traceback)."""
     if watchdog is not None and watchdog.hang is not None:
@@ -132,7 +134,8 @@ def _failure(exc: Exception, tmp: Path, watchdog: WatchdogThread | None, what: s
         return UserError(message) if kind == "user" else LaunchError(message)
     format_msg = getattr(exc, "format_msg", None)
     text = format_msg() if callable(format_msg) else str(exc)
-    return LaunchError(f"{what} failed:\n{text.strip()}")
+    after = f" after {restarts} restart(s)" if restarts else ""
+    return LaunchError(f"{what} failed{after}; the cause:\n{text.strip()}")
 
 
 def _attempt(report: Path) -> int:
