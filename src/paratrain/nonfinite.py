@@ -20,8 +20,12 @@ Only the loss is checked, not the gradients: under fp16 a GradScaler skips steps
 scaled gradients overflowed, by design, and that is not an error.
 
 The marker and the step also catch ranks that reached different points of training
-(different numbers of batches) when their collectives happen to pair up: that fails with a
-message instead of mixing numbers.
+(different numbers of batches, in a user's own loop): ``rt.all_reduce``, ``rt.all_gather``,
+``rt.broadcast_object`` and ``rt.barrier`` first run the same small all-reduce with a step of
+-1 (:meth:`NonFiniteCheck.agree`). A rank that ran out of batches and goes on to such a
+collective meets a rank still training at its step check; both see the mismatch and fail
+with one message, instead of pairing unrelated collectives (which gloo may turn into an
+abort, or into a hang).
 """
 
 from __future__ import annotations
@@ -81,15 +85,7 @@ class NonFiniteCheck:
             return True
         known = loss.new_tensor([_MARKER, 0.0, float(step)], dtype=torch.float64)
         known[1] = bad.to(torch.float64)  # stays on the device: no sync before the collective
-        verdict = collective.all_reduce(known, "sum").tolist()
-        world = collective.world_size
-        if verdict[0] != _MARKER * world or verdict[2] != step * world:
-            raise LaunchError(
-                f"rank {collective.rank}: the ranks are not at the same training step (at step "
-                f"{step} here): they ran different numbers of batches or collectives. Give "
-                "every rank the same number of batches (rt.setup_loader does), or wrap the "
-                "loop in `with rt.join(model):`"
-            )
+        verdict = self._exchange(collective, known, f"at training step {step}")
         if verdict[1] == 0:
             return True
         flags = collective.all_gather(bad.reshape(1).to(torch.uint8))
@@ -99,6 +95,23 @@ class NonFiniteCheck:
         collective.note(f"paratrain: note: {_message(ranks, step, self.policy)}")
         self.skipped = True
         return False
+
+    def agree(self, collective: Collective, what: str) -> None:
+        """Before a collective of the user's: check that every rank is at one too."""
+        if collective.world_size > 1 and not self.local_only:
+            known = torch.tensor([_MARKER, 0.0, -1.0], dtype=torch.float64)
+            self._exchange(collective, known, f"in rt.{what} after {self.step} training steps")
+
+    def _exchange(self, collective: Collective, known: torch.Tensor, here: str) -> list[float]:
+        verdict: list[float] = collective.all_reduce(known, "sum").tolist()
+        world = collective.world_size
+        if verdict[0] != _MARKER * world or verdict[2] != known[2].item() * world:
+            raise LaunchError(
+                f"rank {collective.rank} is {here}, but not every rank is: the ranks ran "
+                "different numbers of batches. Give every rank the same number of batches "
+                "(rt.setup_loader does), or wrap the loop in `with rt.join(model):`"
+            )
+        return verdict
 
 
 def _message(ranks: str, step: int, policy: str) -> str:

@@ -326,18 +326,22 @@ class Runtime:
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "all_reduce")
         return self.strategy.collective.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "all_gather")
         return self.strategy.collective.all_gather(tensor)
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "broadcast_object")
         return self.strategy.collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
 
     def barrier(self) -> None:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "barrier")
         self.strategy.collective.barrier()
 
     # -- checkpoints -------------------------------------------------------------------------
