@@ -1,8 +1,9 @@
 """Each rank's sign of life, for the launcher's hang watchdog (:mod:`paratrain.watchdog`).
 
 A launcher that watches its processes sets ``PARATRAIN_HEARTBEAT_DIR``. Each rank then keeps
-a 24-byte memory-mapped file there, ``beat-rank{R}``: its pid, how many beats it has made,
-and the time of the last one. :func:`beat` rewrites those bytes in place: no system call,
+a 32-byte memory-mapped file there, ``beat-rank{R}``: its pid, how many beats it has made,
+the time of the last one, and whether it is waiting for its peers (in a step's collectives,
+see :func:`waiting`). :func:`beat` rewrites those bytes in place: no system call,
 about a microsecond, so it can sit in every training step. The runtime beats in
 ``rt.backward``, in every collective and for every batch a loader delivers.
 
@@ -13,18 +14,20 @@ its main thread is blocked inside a C call such as a collective.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import mmap
 import os
 import signal
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 DIRECTORY_VARIABLE = "PARATRAIN_HEARTBEAT_DIR"
-_LAYOUT = struct.Struct("<qqd")  # pid, beats, time of the last beat (time.time())
+_LAYOUT = struct.Struct("<qqdq")  # pid, beats, time of the last beat, waiting (0/1)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Beat:
     pid: int
     count: int
     time: float
+    #: inside a step's collectives: most likely waiting for a stuck peer
+    waiting: bool
 
 
 def beat_file(directory: Path, rank: int) -> Path:
@@ -48,7 +53,7 @@ def stack_file(directory: Path, rank: int) -> Path:
 class _Heart:
     def __init__(self, directory: Path, rank: int) -> None:
         path = beat_file(directory, rank)
-        path.write_bytes(_LAYOUT.pack(os.getpid(), 0, time.time()))
+        path.write_bytes(_LAYOUT.pack(os.getpid(), 0, time.time(), 0))
         with open(path, "r+b") as handle:
             self.map = mmap.mmap(handle.fileno(), _LAYOUT.size)
         self.pid = os.getpid()
@@ -58,9 +63,9 @@ class _Heart:
         if hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, file=self.stack, all_threads=True)
 
-    def beat(self) -> None:
+    def beat(self, waiting: int = 0) -> None:
         self.count += 1
-        _LAYOUT.pack_into(self.map, 0, self.pid, self.count, time.time())
+        _LAYOUT.pack_into(self.map, 0, self.pid, self.count, time.time(), waiting)
 
 
 _heart: _Heart | None = None
@@ -96,13 +101,29 @@ def beat() -> None:
             _heart.beat()
 
 
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around work that waits for the other ranks (a step's backward and collectives): the
+    watchdog then blames a rank that is not waiting."""
+    beat()
+    if _heart is None:
+        yield
+        return
+    _heart.beat(waiting=1)
+    try:
+        yield
+    finally:
+        _heart.beat()
+
+
 def read_beats(directory: Path) -> list[Beat]:
     """Every rank's last heartbeat found in ``directory``, in rank order."""
     beats = []
     for path in directory.glob("beat-rank*"):
         try:
-            pid, count, when = _LAYOUT.unpack(path.read_bytes()[: _LAYOUT.size])
+            pid, count, when, wait = _LAYOUT.unpack(path.read_bytes()[: _LAYOUT.size])
         except (OSError, struct.error):
             continue
-        beats.append(Beat(int(path.name.removeprefix("beat-rank")), pid, count, when))
+        rank = int(path.name.removeprefix("beat-rank"))
+        beats.append(Beat(rank, pid, count, when, bool(wait)))
     return sorted(beats, key=lambda b: b.rank)

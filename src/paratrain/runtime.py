@@ -287,18 +287,17 @@ class Runtime:
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
         accumulation = self.accumulation
-        heartbeat.beat()
         ends_step = accumulation.next_is_last()
         loss = faults.at_step(self.rank, self.nonfinite.step + 1, loss)
-        if not self.nonfinite.admit(loss, self.strategy.collective, ends_step):
-            accumulation.micro_batch_done()  # skipped on every rank alike
-            return
-        scale = accumulation.loss_weight / accumulation.steps
-        backward = self.precision.backward
-        if self.config.deterministic:
-            backward = self._naming_nondeterministic(backward)
-        backward(loss * scale if scale != 1.0 else loss)
-        accumulation.micro_batch_done()
+        with heartbeat.waiting():  # the step's collectives: waits on the other ranks
+            admitted = self.nonfinite.admit(loss, self.strategy.collective, ends_step)
+            if admitted:
+                scale = accumulation.loss_weight / accumulation.steps
+                backward = self.precision.backward
+                if self.config.deterministic:
+                    backward = self._naming_nondeterministic(backward)
+                backward(loss * scale if scale != 1.0 else loss)
+        accumulation.micro_batch_done()  # a skipped micro-batch too: on every rank alike
 
     @property
     def step_skipped(self) -> bool:

@@ -2,10 +2,11 @@
 
 Each rank beats (:mod:`paratrain.heartbeat`). When a rank's last beat is older than the hang
 timeout, the watchdog blames the rank that is *behind*: the one with the fewest beats (ties:
-the oldest beat). A rank that sleeps, or whose data ran out while the others wait for it in
-a collective, has stopped beating first; the others, blocked in the collective, stop soon
-after but have beaten more. The blamed rank gets ``SIGUSR1`` and writes its Python stack
-(faulthandler); then every rank is killed, and the error carries that stack.
+the oldest beat), preferring ranks that are not inside a step's collectives. A rank that
+sleeps, or whose data ran out while the others wait for it in a collective, has stopped
+first, outside a collective; the others are blocked inside one. The blamed rank gets
+``SIGUSR1`` and writes its Python stack (faulthandler); then every rank is killed, and the
+error carries that stack.
 
 A rank is watched from its first beat on: joining the group has its own timeout
 (``PARATRAIN_INIT_TIMEOUT``), and startup (imports, data) may take long. Each launcher
@@ -95,7 +96,7 @@ class Watchdog:
         late = [b for b in beats if b.count > 0 and now - b.time > self.timeout]
         if not late:
             return None
-        stuck = min(beats, key=lambda b: (b.count, b.time))
+        stuck = min(beats, key=lambda b: (b.waiting, b.count, b.time))
         seconds = now - (stuck.time if stuck.count > 0 else min(b.time for b in late))
         stack = self._dump(stuck)
         for other in beats:
