@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -38,14 +39,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.handler(args))
     except UserError as exc:
-        print(f"paratrain: error: {exc}", file=sys.stderr)
+        _error(exc)
         return 2
     except LaunchError as exc:
-        print(f"paratrain: error: {exc}", file=sys.stderr)
+        _error(exc)
         return 1
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130
+
+
+def _error(exc: Exception) -> None:
+    """One line on stderr; under torchrun from rank 0 only, not once per process (every
+    process meets the same bad input)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"paratrain: error: {exc}", file=sys.stderr)
+    else:
+        # Dying of it: the runtime's exit handler leaves the group without waiting for peers.
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
 
 
 def entry() -> None:

@@ -21,3 +21,8 @@ class LaunchError(RuntimeError):
     The message names the rank and the cause (its traceback or the signal). The CLI prints
     it as one error and exits with code 1: the input was fine, the run was not.
     """
+
+
+class NonFiniteLossError(LaunchError):
+    """A loss was NaN or infinite: every process stops at the same step with this message,
+    which names the rank(s) and the step."""

@@ -9,11 +9,12 @@ Three ways, all PyTorch's own machinery:
   method ``spawn``) with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and ``MASTER_ADDR=127.0.0.1``
   / ``MASTER_PORT`` set to a free port; each builds its own runtime with the picklable
   ``rebuild`` it is given (``Runtime.from_config`` bound to the run's configuration);
-* ``paratrain run SCRIPT``: ``torch.distributed.run`` (torchrun's API) with a standalone
-  rendezvous on 127.0.0.1.
+* ``paratrain run SCRIPT`` and ``paratrain train --nnodes/--max-restarts``:
+  ``torch.distributed.run`` (torchrun's agent), see :mod:`paratrain.agent`.
 
 If a spawned process raises or is killed, the others are stopped (SIGTERM, then SIGKILL)
-and :class:`~paratrain.errors.LaunchError` names the rank and its traceback or signal.
+and :class:`~paratrain.errors.LaunchError` names the rank and its traceback or signal. A rank
+that stops making progress is found by the hang watchdog (:mod:`paratrain.watchdog`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import socket
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -34,8 +34,10 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from paratrain import heartbeat
 from paratrain.errors import LaunchError, UserError
 from paratrain.strategies.distributed import launched
+from paratrain.watchdog import POLL_SECONDS, Watchdog, hang_timeout
 
 T = TypeVar("T")
 
@@ -99,17 +101,21 @@ def spawn(
             "rt.launch starts new processes and pickles the function and its arguments: "
             f"define the function at the top level of a module ({exc})"
         ) from None
+    timeout = hang_timeout()
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as tmp:
+        watchdog = Watchdog(Path(tmp), timeout) if timeout is not None else None
         context = mp.start_processes(
             _worker,
-            args=(rebuild, fn, args, nprocs, free_port(), tmp),
+            args=(rebuild, fn, args, nprocs, free_port(), tmp, watchdog is not None),
             nprocs=nprocs,
             join=False,
             start_method="spawn",
         )
         try:
-            while not context.join(grace_period=GRACE_SECONDS):
-                pass
+            while not context.join(timeout=POLL_SECONDS, grace_period=GRACE_SECONDS):
+                hang = watchdog.check() if watchdog is not None else None
+                if hang is not None:
+                    raise LaunchError(hang.message())
         except ProcessException as exc:
             raise _failure(exc, context, Path(tmp)) from None
         finally:
@@ -132,8 +138,12 @@ def _worker(
     nprocs: int,
     port: int,
     tmp: str,
+    watched: bool,
 ) -> None:
     """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
+    if watched:
+        os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
+        heartbeat.arm(rank)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -154,6 +164,11 @@ def _worker(
         _record_failure(tmp, rank, exc)
         (Path(tmp) / f"usererror-{rank}").write_text(str(exc), encoding="utf-8")
         sys.exit(2)
+    except LaunchError as exc:
+        # Said in one line (a non-finite loss, ranks out of step): no traceback needed.
+        _record_failure(tmp, rank, exc)
+        (Path(tmp) / f"launcherror-{rank}").write_text(str(exc), encoding="utf-8")
+        sys.exit(1)
     except Exception as exc:
         # No teardown: exiting closes this process's connections, so the others'
         # collectives fail now instead of at a timeout.
@@ -194,6 +209,9 @@ def _failure(exc: ProcessException, context: Any, tmp: Path) -> Exception:
     user_error = tmp / f"usererror-{rank}"
     if user_error.exists():
         return UserError(user_error.read_text(encoding="utf-8"))
+    launch_error = tmp / f"launcherror-{rank}"
+    if launch_error.exists():
+        return LaunchError(launch_error.read_text(encoding="utf-8"))
     who = f"rank {rank} (pid {context.processes[rank].pid})"
     if rank != exc.error_index:
         with open(context.error_files[rank], "rb") as handle:
@@ -219,35 +237,6 @@ def _stop(processes: Sequence[Any]) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-
-
-def run_script(script: str, script_args: Sequence[str], nprocs: int, env: dict[str, str]) -> None:
-    """Run ``python script *script_args`` in ``nprocs`` processes through torchrun's API.
-
-    Standalone rendezvous on 127.0.0.1, its port picked by the OS. ``env`` is added to the
-    environment the processes inherit.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torch_run
-
-    torchrun_args = get_args_parser().parse_args(
-        [
-            "--nnodes=1",
-            f"--nproc-per-node={nprocs}",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            f"--rdzv-id={uuid.uuid4()}",
-            "--max-restarts=0",
-            script,
-            *script_args,
-        ]
-    )
-    os.environ.update(env)
-    try:
-        torch_run(torchrun_args)
-    except ChildFailedError as exc:
-        raise LaunchError(f"{script} failed:\n{exc.format_msg().strip()}") from None
 
 
 def on_main(runtime: MainProcess, fn: Callable[..., T], *args: Any) -> T:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from paratrain.errors import UserError
+from paratrain.heartbeat import beat
 from paratrain.placement import move_to_device
 
 
@@ -165,7 +166,9 @@ class DeviceLoader:
         self._epoch_set_by_user = False
         sink = self._sink
         if sink is None:
-            yield from self._batches()
+            for batch in self._batches():
+                beat()  # progress, for the hang watchdog (evaluation has no backward)
+                yield batch
             return
         weights = self._loss_weights()
         last = len(self.loader) - 1
@@ -173,6 +176,7 @@ class DeviceLoader:
             if weights is not None:
                 sink.loss_weight = weights[index]
             sink.at_last_batch = index == last
+            beat()
             yield move_to_device(batch, self.device)
         sink.loss_weight = 1.0
         sink.at_last_batch = False

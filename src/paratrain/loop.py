@@ -109,6 +109,7 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
         total = min(total, cfg.max_steps)
     step, samples, start = at.step, 0, time.perf_counter()
     clock = LoopClock(rt.device)
+    rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
     accuracy = last.get("eval_accuracy")
@@ -134,8 +135,9 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
                 optimizer.zero_grad()
                 if applied and scheduler is not None:
                     scheduler.step()
-                loss_sum += loss.detach().double() * len(y)
-                count += len(y)
+                if not rt.step_skipped:  # --skip-nonfinite: no NaN in the epoch's mean
+                    loss_sum += loss.detach().double() * len(y)
+                    count += len(y)
                 samples += len(y) * rt.world_size
                 batch += 1
                 step += applied

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paratrain import faults, heartbeat
 from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
@@ -31,6 +32,7 @@ from paratrain.determinism import make_deterministic, nondeterministic_operation
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch
 from paratrain.loaders import DeviceLoader
+from paratrain.nonfinite import NonFiniteCheck
 from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import check_inputs_on, move_to_device
 from paratrain.precision import Precision, normalize_precision
@@ -43,6 +45,7 @@ from paratrain.strategies import (
     strategy_names,
 )
 from paratrain.training_state import load_state, save_state
+from paratrain.uneven import join_uneven
 
 T = TypeVar("T")
 
@@ -123,6 +126,8 @@ class Runtime:
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.seed = seed
         self.accumulation = Accumulation(steps=accumulate)
+        #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
+        self.nonfinite = NonFiniteCheck()
         self._connected = False
         seed_everything(seed)
 
@@ -175,6 +180,7 @@ class Runtime:
         return self.rank == 0
 
     def _connect(self) -> None:
+        heartbeat.beat()  # every collective and setup passes here: progress for the watchdog
         if not self._connected:
             self.strategy.setup_process()
             self._connected = True
@@ -323,12 +329,28 @@ class Runtime:
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
         accumulation = self.accumulation
-        scale = accumulation.loss_weight / accumulation.steps
-        backward = self.precision.backward
-        if self.config.deterministic:
-            backward = self._naming_nondeterministic(backward)
-        backward(loss * scale if scale != 1.0 else loss)
-        accumulation.micro_batch_done()
+        ends_step = accumulation.next_is_last()
+        loss = faults.at_step(self.rank, self.nonfinite.step + 1, loss)
+        with heartbeat.waiting():  # the step's collectives: waits on the other ranks
+            admitted = self.nonfinite.admit(loss, self.strategy.collective, ends_step)
+            if admitted:
+                scale = accumulation.loss_weight / accumulation.steps
+                backward = self.precision.backward
+                if self.config.deterministic:
+                    backward = self._naming_nondeterministic(backward)
+                backward(loss * scale if scale != 1.0 else loss)
+        accumulation.micro_batch_done()  # a skipped micro-batch too: on every rank alike
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last ``rt.backward`` was skipped for a non-finite loss
+        (``--skip-nonfinite`` / ``PARATRAIN_NONFINITE=skip``)."""
+        return self.nonfinite.skipped
+
+    def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Wrap a loop whose ranks may get different numbers of batches (torch's ``Join``):
+        a rank that runs out waits for the others instead of hanging them."""
+        return join_uneven(model, self.nonfinite)
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
@@ -345,18 +367,22 @@ class Runtime:
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "all_reduce")
         return self.strategy.collective.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "all_gather")
         return self.strategy.collective.all_gather(tensor)
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "broadcast_object")
         return self.strategy.collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
 
     def barrier(self) -> None:
         self._connect()
+        self.nonfinite.agree(self.strategy.collective, "barrier")
         self.strategy.collective.barrier()
 
     # -- checkpoints -------------------------------------------------------------------------

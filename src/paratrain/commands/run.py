@@ -1,12 +1,14 @@
 """`paratrain run SCRIPT [ARGS...]`: your own script, in every process the strategy needs.
 
-The processes are started by torchrun's API (`torch.distributed.run`). The script builds
+The processes are started by torchrun's API (`torch.distributed.run`), on this machine or,
+with `--nnodes`, `--node-rank` and `--rdzv-endpoint`, on several. The script builds
 `paratrain.Runtime(strategy="auto")`; `--strategy` and `--devices` reach it as
 `PARATRAIN_STRATEGY` and `PARATRAIN_DEVICES`, which the runtime takes as its defaults.
 The same script therefore also runs with plain `python` or `torchrun`.
 
 paratrain's options may come before or after SCRIPT; after a `--` every argument is the
-script's.
+script's. `--hang-timeout` and `--skip-nonfinite` reach the script's runtime as
+`PARATRAIN_HANG_TIMEOUT` and `PARATRAIN_NONFINITE=skip`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from paratrain.agent import run_agent
+from paratrain.commands.launch_options import (
+    FLAG_OPTIONS,
+    VALUE_OPTIONS,
+    add_launch_arguments,
+    apply_to_environment,
+    nodes_from_args,
+)
 from paratrain.errors import UserError
-from paratrain.launch import run_script
 from paratrain.runtime import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
 from paratrain.strategies import build_strategy
-
-_OWN_OPTIONS = ("--strategy", "--devices")
 
 
 def register(subparsers: Any) -> None:
@@ -32,6 +39,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--strategy", default="auto", help="as for `paratrain train`")
     parser.add_argument("--devices", help="a count (2) or a list (0,1 / cuda:0,cuda:1 / cpu,cpu)")
+    add_launch_arguments(parser)
     parser.add_argument("script", help="a Python script that uses paratrain.Runtime")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     parser.set_defaults(handler=run)
@@ -41,7 +49,16 @@ def split_own_options(
     args: list[str], strategy: str, devices: str | None
 ) -> tuple[str, str | None, list[str]]:
     """Take `--strategy`/`--devices` out of the script's arguments (up to `--`)."""
-    own = {"--strategy": strategy, "--devices": devices}
+    own, rest = take_options(args, {"--strategy": strategy, "--devices": devices})
+    return own["--strategy"] or "auto", own["--devices"], rest
+
+
+def take_options(
+    args: list[str], own: dict[str, str | None]
+) -> tuple[dict[str, str | None], list[str]]:
+    """Take the options named in ``own`` (and the launch flags) out of the script's
+    arguments, up to `--`; returns their values and the script's arguments."""
+    own = dict(own)
     rest: list[str] = []
     index = 0
     while index < len(args):
@@ -50,7 +67,9 @@ def split_own_options(
             rest += args[index + 1 :]
             break
         name, equals, value = arg.partition("=")
-        if name in _OWN_OPTIONS:
+        if name in FLAG_OPTIONS and not equals:
+            own[name] = "1"
+        elif name in own:
             if not equals:
                 if index + 1 >= len(args):
                     raise UserError(f"{name} needs a value (see: paratrain run --help)")
@@ -60,13 +79,48 @@ def split_own_options(
         else:
             rest.append(arg)
         index += 1
-    return own["--strategy"] or "auto", own["--devices"], rest
+    return own, rest
+
+
+def _options_after_the_script(args: argparse.Namespace) -> list[str]:
+    """Apply paratrain's options written after SCRIPT to ``args``; the script's arguments."""
+    names = ["--strategy", "--devices", *VALUE_OPTIONS]
+    given: dict[str, str | None] = dict.fromkeys(names)
+    own, rest = take_options(list(args.script_args), given)
+    for name, value in own.items():
+        if value is None:
+            continue
+        attribute = name.removeprefix("--").replace("-", "_")
+        if name in FLAG_OPTIONS:
+            setattr(args, attribute, True)
+        elif name in ("--nnodes", "--node-rank", "--max-restarts"):
+            setattr(args, attribute, _integer(name, value))
+        elif name == "--hang-timeout":
+            setattr(args, attribute, _number(name, value))
+        else:
+            setattr(args, attribute, value)
+    return rest
+
+
+def _integer(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name} {value!r} must be a whole number") from None
+
+
+def _number(name: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"{name} {value!r} must be a number of seconds") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    strategy, devices, script_args = split_own_options(
-        list(args.script_args), args.strategy, args.devices
-    )
+    script_args = _options_after_the_script(args)
+    strategy, devices = args.strategy or "auto", args.devices
+    nodes = nodes_from_args(args)
+    apply_to_environment(args)
     if not Path(args.script).is_file():
         raise UserError(f"script {args.script} does not exist")
     RuntimeConfig(strategy=strategy, devices=devices).validate()
@@ -74,5 +128,6 @@ def run(args: argparse.Namespace) -> int:
     env = {STRATEGY_VARIABLE: built.name}
     if devices is not None:
         env[DEVICES_VARIABLE] = devices
-    run_script(args.script, script_args, built.num_processes, env)
+    entry = ["paratrain.entry", "run", args.script, *script_args]
+    run_agent(entry, built.num_processes, env, nodes, args.script)
     return 0

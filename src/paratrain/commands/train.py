@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from paratrain import rundir
+from paratrain.commands.launch_options import (
+    add_launch_arguments,
+    apply_to_environment,
+    nodes_from_args,
+)
 from paratrain.config import DEFAULT_RECIPE, TrainConfig
+from paratrain.elastic import start_agent
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
 from paratrain.recipes import get_recipe, recipe_names
@@ -95,6 +101,7 @@ def register(subparsers: Any) -> None:
         help="data the device path may copy to each device (default: 1/4 of its free memory)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_launch_arguments(p)
     # Every option left out stays None, so that --resume knows which ones were given.
     p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
 
@@ -143,6 +150,12 @@ def train_command(cfg: TrainConfig) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    nodes = nodes_from_args(args)
+    apply_to_environment(args)
     if getattr(args, "resume", None) is not None:
-        return train_command(resume_config(args.resume, given_options(args)))
-    return train_command(config_from_args(args))
+        cfg = resume_config(args.resume, given_options(args))
+    else:
+        cfg = config_from_args(args)
+    if nodes.uses_agent and not launched():
+        return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
+    return train_command(cfg)

@@ -33,6 +33,7 @@ from paratrain.strategies.distributed import (
     DEFAULT_INIT_TIMEOUT,
     INIT_TIMEOUT_VARIABLE,
     TorchCollective,
+    attempt_store,
     env_int,
     launched,
     local_process_count,
@@ -127,9 +128,19 @@ class DDPStrategy(Strategy):
     def _join(self) -> None:
         if launched():
             try:
-                dist.init_process_group(
-                    self.backend, init_method="env://", timeout=self.init_timeout
-                )
+                store = attempt_store(self.init_timeout)
+                if store is None:
+                    dist.init_process_group(
+                        self.backend, init_method="env://", timeout=self.init_timeout
+                    )
+                else:
+                    dist.init_process_group(
+                        self.backend,
+                        store=store,
+                        rank=env_int("RANK", 0),
+                        world_size=env_int("WORLD_SIZE", 1),
+                        timeout=self.init_timeout,
+                    )
             except (RuntimeError, ValueError) as exc:
                 rank, world = self.collective.rank, self.collective.world_size
                 seconds = self.init_timeout.total_seconds()

@@ -48,6 +48,25 @@ def local_process_count() -> int | None:
     return env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent, its store with a prefix per attempt; None elsewhere.
+
+    The agent keeps one store across restarts, and gloo finds its peers' addresses under
+    fixed keys in it: a restarted process would read the dead processes' addresses and
+    time out connecting (torch 2.13). Each attempt gets keys of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"paratrain/attempt-{attempt}", store)
+
+
 def timeout_from_env(name: str, default: float) -> timedelta:
     raw = os.environ.get(name)
     if not raw:

@@ -1,0 +1,79 @@
+"""The first code of every process that torchrun's agent starts for paratrain
+(:mod:`paratrain.agent`)::
+
+    python -m paratrain.entry run SCRIPT [ARGS...]   # the user's script, as __main__
+    python -m paratrain.entry train                  # paratrain train, config from the env
+
+It starts the heartbeat (and the faulthandler the hang watchdog uses) before anything else,
+and catches paratrain's one-line errors: they go to the launcher once, instead of a
+traceback from every rank. Under plain torchrun (no paratrain launcher) rank 0 alone prints
+them. A ``UserError`` exits with code 2, any other paratrain error with 1.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from paratrain import heartbeat
+from paratrain.agent import REPORT_VARIABLE
+from paratrain.commands.train import train_in_process
+from paratrain.elastic import worker_config
+from paratrain.errors import LaunchError, UserError
+from paratrain.runtime import Runtime
+
+
+def report(exc: UserError | LaunchError) -> int:
+    """Hand a one-line error to the launcher (or print it on rank 0); the exit code."""
+    user = isinstance(exc, UserError)
+    # This process dies of the error: the runtime's exit handler then leaves the group
+    # without waiting for peers that may be gone (as for an uncaught exception).
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    directory = os.environ.get(REPORT_VARIABLE)
+    rank = os.environ.get("RANK", "0")
+    if directory:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        path = Path(directory) / f"report-a{attempt}-rank{rank}.txt"
+        path.write_text(f"{'user' if user else 'launch'}\n{exc}", encoding="utf-8")
+    elif rank == "0":
+        print(f"paratrain: error: {exc}", file=sys.stderr)
+    return 2 if user else 1
+
+
+def guarded(main: Callable[[], object]) -> int:
+    heartbeat.arm()
+    try:
+        main()
+    except (UserError, LaunchError) as exc:
+        return report(exc)
+    return 0
+
+
+def run_script(argv: Sequence[str]) -> None:
+    script, *args = argv
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def train_worker() -> None:
+    """One process of ``paratrain train`` under the agent; after a restart it continues
+    from the run's newest complete checkpoint."""
+    cfg, directory = worker_config()
+    Runtime.from_config(cfg.runtime_config()).launch(train_in_process, cfg, directory)
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["run"]:
+        return guarded(lambda: run_script(argv[1:]))
+    if argv[:1] == ["train"]:
+        return guarded(train_worker)
+    print(f"paratrain.entry: unknown command {' '.join(argv[:1])}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

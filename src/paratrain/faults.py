@@ -1,0 +1,50 @@
+"""Test hooks that make one rank fail at a given optimizer step, as clusters do.
+
+``PARATRAIN_TEST_FAULT=KIND:RANK:STEP[:ATTEMPTS]``, read once per process; KIND is
+
+* ``kill``: the rank sends itself SIGKILL;
+* ``stall``: the rank sleeps for an hour (a hang);
+* ``nan``: the rank's loss becomes NaN.
+
+``ATTEMPTS`` (default: every attempt) limits the fault to the first attempts of an elastic
+run (``TORCHELASTIC_RESTART_COUNT`` below it). Without the variable nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+FAULT_VARIABLE = "PARATRAIN_TEST_FAULT"
+_KINDS = ("kill", "stall", "nan")
+_parsed: tuple[str, int, int] | bool | None = False
+
+
+def _fault() -> tuple[str, int, int] | None:
+    global _parsed
+    if _parsed is False:
+        _parsed = None
+        raw = os.environ.get(FAULT_VARIABLE)
+        if raw:
+            kind, rank, step, *attempts = raw.split(":")
+            if kind not in _KINDS:
+                raise ValueError(f"{FAULT_VARIABLE}: unknown kind {kind!r}")
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if not attempts or restart < int(attempts[0]):
+                _parsed = (kind, int(rank), int(step))
+    return _parsed if isinstance(_parsed, tuple) else None
+
+
+def at_step(rank: int, step: int, loss: Any) -> Any:
+    """Apply the fault meant for ``rank`` at optimizer step ``step`` (1-based), if any."""
+    fault = _fault()
+    if fault is None or fault[1:] != (rank, step):
+        return loss
+    kind = fault[0]
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stall":
+        time.sleep(3600)
+    return loss * float("nan")
