@@ -4,9 +4,9 @@ The configuration comes from the run's ``config.json``. Options given with ``--r
 may change only what does not alter the training already done: ``--epochs`` and
 ``--max-steps`` (train further, or stop elsewhere), ``--strategy`` and ``--devices`` (the
 data position is a global batch index, the same in every layout), ``--data-dir`` (the same
-data moved), ``--save-every``, ``--keep``, ``--no-progress`` and ``--deterministic``. Any
-other option that differs from the run's stops before training with a message naming each
-difference.
+data moved), ``--save-every``, ``--keep``, ``--no-progress``, ``--deterministic``,
+``--download`` and ``--tensorboard``. Any other option that differs from the run's stops
+before training with a message naming each difference.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ CHANGEABLE = frozenset(
         "keep",
         "progress",
         "deterministic",
+        "download",
+        "tensorboard",
     }
 )
 
