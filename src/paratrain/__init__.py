@@ -6,6 +6,7 @@ from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
 from paratrain.errors import PlacementError, UserError
 from paratrain.runtime import Runtime, RuntimeConfig
 from paratrain.strategies import strategy_names
+from paratrain.tensorboard_logger import TensorBoardLogger
 from paratrain.version import __version__
 
 
@@ -19,6 +20,7 @@ __all__ = [
     "PlacementError",
     "Runtime",
     "RuntimeConfig",
+    "TensorBoardLogger",
     "UserError",
     "WeightsMismatchError",
     "__version__",

@@ -15,6 +15,7 @@ from paratrain.recipes import get_recipe, recipe_names
 from paratrain.resume import resume_config
 from paratrain.runtime import Runtime
 from paratrain.strategies import describe_strategies
+from paratrain.tensorboard_logger import require_tensorboard
 
 
 def _strategy_help() -> str:
@@ -112,6 +113,8 @@ def fetch_data(cfg: TrainConfig) -> str:
 
 def train_command(cfg: TrainConfig) -> int:
     cfg = cfg.resolved(get_recipe)
+    if cfg.tensorboard:
+        require_tensorboard()
     if cfg.download and not launched():  # once, before any process starts
         cfg.data_dir = fetch_data(cfg)
     directory = None
