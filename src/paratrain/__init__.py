@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
 from paratrain.errors import PlacementError, UserError
+from paratrain.export import load_quantized
 from paratrain.runtime import Runtime, RuntimeConfig
 from paratrain.strategies import strategy_names
 from paratrain.tensorboard_logger import TensorBoardLogger
@@ -24,6 +25,7 @@ __all__ = [
     "UserError",
     "WeightsMismatchError",
     "__version__",
+    "load_quantized",
     "load_weights",
     "strategies",
 ]
