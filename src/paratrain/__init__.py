@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
 from paratrain.errors import PlacementError, UserError
+from paratrain.export import load_quantized
 from paratrain.runtime import Runtime, RuntimeConfig
 from paratrain.strategies import strategy_names
+from paratrain.tensorboard_logger import TensorBoardLogger
 from paratrain.version import __version__
 
 
@@ -19,9 +21,11 @@ __all__ = [
     "PlacementError",
     "Runtime",
     "RuntimeConfig",
+    "TensorBoardLogger",
     "UserError",
     "WeightsMismatchError",
     "__version__",
+    "load_quantized",
     "load_weights",
     "strategies",
 ]

@@ -30,7 +30,9 @@ class RecipeDefaults(Protocol):
     @property
     def lr(self) -> float: ...
 
-    def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None: ...
+    def check_data_options(
+        self, data_dir: str | None, synthetic: int | None, download: bool = False
+    ) -> None: ...
 
 
 #: looks a recipe up by name, or raises ``UserError`` (``paratrain.recipes.get_recipe``)
@@ -52,6 +54,10 @@ class TrainConfig:
     overwrite: bool = False
     data_dir: str | None = None
     synthetic: int | None = None
+    #: fetch the recipe's data (CIFAR-10) into data_dir, or the cache, before training
+    download: bool = False
+    #: log metrics for TensorBoard into RUN/tensorboard/
+    tensorboard: bool = False
     precision: str = "32"
     accumulate: int = 1
     sync_batchnorm: bool = False
@@ -102,7 +108,7 @@ class TrainConfig:
             _positive("--synthetic", cfg.synthetic)
         if cfg.lr is None or not cfg.lr > 0:
             raise UserError(f"--lr must be a positive number, got {cfg.lr}")
-        recipe.check_data_options(cfg.data_dir, cfg.synthetic)
+        recipe.check_data_options(cfg.data_dir, cfg.synthetic, cfg.download)
         strategy = build_strategy(cfg.strategy, cfg.devices)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])

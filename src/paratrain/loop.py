@@ -20,6 +20,7 @@ from paratrain.loop_timing import LoopClock, LoopTimes
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
+from paratrain.tensorboard_logger import TensorBoardLogger
 from paratrain.training_state import (
     Checkpointer,
     Position,
@@ -102,6 +103,9 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     timings = None
     if directory is not None and rt.is_main:
         timings = rundir.MetricsWriter(directory / rundir.TIMINGS)
+    tb = None  # --tensorboard: RUN/tensorboard/, written by the main process
+    if cfg.tensorboard and directory is not None:
+        tb = TensorBoardLogger(directory, rt, purge_step=at.step if resumed else None)
 
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
@@ -144,6 +148,8 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
                 clock.batch_done(samples)
                 if bar.due():
                     bar.update(step, epoch, loss.item(), samples)
+                if tb is not None and tb.due():
+                    tb.log({"loss/train": loss.item()}, step)
                 if applied and saver.due(step, batch):
                     with clock.measure("checkpoint"):
                         saver.save(epoch, batch, step, loss_sum, count)
@@ -161,6 +167,10 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
             if writer is not None:
                 writer.write(_record(epoch, step, "train", train_loss, None))
                 writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
+            if tb is not None:
+                epoch_values = {"loss/train_epoch": train_loss, "loss/eval": eval_loss}
+                tb.log({**epoch_values, "accuracy/eval": accuracy}, step)
+                tb.log_progress(step, optimizer, samples / max(time.perf_counter() - start, 1e-9))
             saver.last_metrics = {
                 "train_loss": train_loss,
                 "eval_loss": eval_loss,
@@ -176,6 +186,8 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     with clock.measure("checkpoint"):
         saver.wait()  # the last checkpoint is complete before the run is marked finished
     seconds = time.perf_counter() - start
+    if tb is not None:
+        tb.close()
     summary = Summary(
         epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
     )

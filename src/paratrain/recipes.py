@@ -43,20 +43,29 @@ class Recipe:
     uses_data_dir: bool = False
     #: an LR scheduler built after the runtime's setup, stepped once per optimizer step
     build_scheduler: Callable[[torch.optim.Optimizer, RecipeSettings], Any] | None = None
+    #: ``--download``: fetch the data into a folder (None: the default cache), return it
+    download_data: Callable[[str | None], str] | None = None
 
-    def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None:
+    def check_data_options(
+        self, data_dir: str | None, synthetic: int | None, download: bool = False
+    ) -> None:
         if not self.uses_data_dir and (data_dir is not None or synthetic is not None):
             raise UserError(
                 f"recipe {self.name} uses its own data; --data-dir and --synthetic are for "
                 "cifar10-resnet18"
             )
-        if self.uses_data_dir and data_dir is None and synthetic is None:
+        if download and self.download_data is None:
+            raise UserError(f"recipe {self.name} has nothing to download; drop --download")
+        if self.uses_data_dir and data_dir is None and synthetic is None and not download:
             raise UserError(
-                f"recipe {self.name} needs data: --data-dir DIR with the CIFAR-10 python "
-                "batches, or --synthetic N for N random images"
+                f"recipe {self.name} needs data: --download (into --data-dir DIR or the cache), "
+                "--data-dir DIR with the CIFAR-10 python batches, or --synthetic N for N "
+                "random images"
             )
         if data_dir is not None and synthetic is not None:
             raise UserError("choose one of --data-dir and --synthetic")
+        if download and synthetic is not None:
+            raise UserError("choose one of --download and --synthetic")
 
 
 _RECIPES: dict[str, Recipe] = {}
@@ -159,6 +168,12 @@ def _cifar_data(cfg: RecipeSettings) -> Datasets:
     return load_cifar10(cfg.data_dir)
 
 
+def _cifar_download(data_dir: str | None) -> str:
+    from paratrain.data.download import download_cifar10
+
+    return str(download_cifar10(data_dir, log=print))
+
+
 def _sgd_resnet(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
     assert cfg.lr is not None
     return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=5e-4)
@@ -177,5 +192,6 @@ register_recipe(
         build_loss=nn.CrossEntropyLoss,
         drop_last=True,
         uses_data_dir=True,
+        download_data=_cifar_download,
     )
 )

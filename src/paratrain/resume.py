@@ -5,9 +5,9 @@ may change only what does not alter the training already done: ``--epochs`` and
 ``--max-steps`` (train further, or stop elsewhere), ``--strategy`` and ``--devices`` (the
 data position is a global batch index, the same in every layout), ``--data-dir`` (the same
 data moved), ``--data-path`` and ``--device-budget-gib`` (the same batches made another
-way), ``--save-every``, ``--keep``, ``--no-progress``, ``--deterministic``, ``--compile`` and
-``--[no-]channels-last``. Any other option that differs from the run's stops before training
-with a message naming each difference.
+way), ``--save-every``, ``--keep``, ``--no-progress``, ``--deterministic``, ``--compile``,
+``--[no-]channels-last``, ``--download`` and ``--tensorboard``. Any other option that differs
+from the run's stops before training with a message naming each difference.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ CHANGEABLE = frozenset(
         "device_budget_gib",
         "compile",  # how fast, not what is trained
         "channels_last",
+        "download",
+        "tensorboard",
     }
 )
 

@@ -5,12 +5,14 @@ timings.jsonl      one JSON object per epoch: its seconds, eval_seconds, checkpo
 model.safetensors  final weights, plain parameter names
 config.json        resolved configuration, devices, versions, status and summary
 checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.training_state)
+tensorboard/       TensorBoard event files (--tensorboard)
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +29,7 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TIMINGS = "timings.jsonl"
 OWN_FILES = (METRICS, WEIGHTS, CONFIG, TIMINGS)
+TENSORBOARD = "tensorboard"
 
 
 def default_out(recipe: str) -> Path:
@@ -66,6 +69,7 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
         for name in OWN_FILES:
             (directory / name).unlink(missing_ok=True)
         remove_checkpoints(directory)
+        shutil.rmtree(directory / TENSORBOARD, ignore_errors=True)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

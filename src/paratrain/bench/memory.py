@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from paratrain.peak_memory import peak_rss_bytes
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
@@ -16,16 +17,6 @@ def synchronize(devices: Iterable[torch.device]) -> None:
             torch.cuda.synchronize(device)
         elif device.type == "mps":
             torch.mps.synchronize()
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident memory so far (None where the OS does not say)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS: bytes, Linux: KiB
 
 
 def memory_snapshot(devices: Iterable[torch.device], rank: int) -> dict[str, Any]:

@@ -23,9 +23,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from paratrain.atomic import atomic_write_text
-from paratrain.bench.memory import memory_snapshot, peak_rss_bytes, synchronize
+from paratrain.bench.memory import memory_snapshot, synchronize
 from paratrain.bench.task import TaskSource, load_task
 from paratrain.errors import UserError
+from paratrain.peak_memory import peak_rss_bytes
 from paratrain.runtime import Runtime
 from paratrain.strategies.base import iter_tensors
 

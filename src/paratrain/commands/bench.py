@@ -1,7 +1,7 @@
 """`paratrain bench`: measure every layout and precision this machine runs, and recommend one.
 
 `paratrain bench placement` and `paratrain bench crossover` are the micro-benchmarks of
-seeds 002 and 003.
+seeds 002 and 003; `paratrain bench loader` tunes the DataLoader (commands/bench_loader.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from paratrain.bench.combos import parse_batch_sizes, parse_precision_list, pars
 from paratrain.bench.crossover import DEFAULT_SIZES
 from paratrain.bench.progress import BenchProgress
 from paratrain.bench.task import TaskSource
+from paratrain.commands.bench_loader import register_loader, run_loader
 from paratrain.config import DEFAULT_RECIPE
 from paratrain.errors import UserError
 from paratrain.recipes import recipe_names
@@ -56,8 +57,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run)
-    micro = p.add_subparsers(dest="micro", metavar="{placement,crossover}")
+    micro = p.add_subparsers(dest="micro", metavar="{placement,crossover,loader}")
     _register_micro(micro)
+    register_loader(micro)
 
 
 def _source(args: argparse.Namespace) -> TaskSource:
@@ -104,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         return run_placement(args)
     if args.micro == "crossover":
         return run_crossover(args)
+    if args.micro == "loader":
+        return run_loader(args)
     from paratrain.bench.chart import MISSING_MATPLOTLIB, write_chart
     from paratrain.bench.report import BENCH_PNG, check_out, make_out, print_report, write_json
     from paratrain.bench.runner import run_bench

@@ -21,6 +21,7 @@ from paratrain.recipes import get_recipe, recipe_names
 from paratrain.resume import resume_config
 from paratrain.runtime import Runtime
 from paratrain.strategies import describe_strategies
+from paratrain.tensorboard_logger import require_tensorboard
 
 
 def _strategy_help() -> str:
@@ -58,6 +59,11 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="fetch CIFAR-10 into --data-dir (default ~/.cache/paratrain/cifar10) if absent",
+    )
     p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
     p.add_argument("--cifar-stem", action="store_true", help="ResNet with a 3x3 stem, no max-pool")
     p.add_argument(
@@ -101,6 +107,7 @@ def register(subparsers: Any) -> None:
         help="data the device path may copy to each device (default: 1/4 of its free memory)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tensorboard", action="store_true", help="log metrics into OUT/tensorboard/")
     add_launch_arguments(p)
     # Every option left out stays None, so that --resume knows which ones were given.
     p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
@@ -131,13 +138,26 @@ def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str | None) -> Su
         # and creates --out, so the overwrite check cannot race.
         directory = str(on_main(rt, rundir.prepare, cfg.out, cfg.recipe, cfg.overwrite))
         cfg.out = directory
+    if cfg.download and launched():  # torchrun: the main process downloads, the others wait
+        cfg.data_dir = on_main(rt, fetch_data, cfg)
     summary = train(rt, cfg, Path(directory))
     rt.print(summary.line(Path(directory)))
     return summary
 
 
+def fetch_data(cfg: TrainConfig) -> str:
+    """``--download``: the folder holding the recipe's data, fetched there if absent."""
+    fetch = get_recipe(cfg.recipe).download_data
+    assert fetch is not None  # checked by TrainConfig.resolved
+    return fetch(cfg.data_dir)
+
+
 def train_command(cfg: TrainConfig) -> int:
     cfg = cfg.resolved(get_recipe)
+    if cfg.tensorboard:
+        require_tensorboard()
+    if cfg.download and not launched():  # once, before any process starts
+        cfg.data_dir = fetch_data(cfg)
     directory = None
     if cfg.resume_from is not None:
         directory = cfg.out  # the run being continued, checked by resume_config

@@ -1,0 +1,117 @@
+"""`paratrain bench loader`: sweep DataLoader num_workers x pin_memory, recommend one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from paratrain.bench.task import TaskSource
+from paratrain.config import DEFAULT_RECIPE
+from paratrain.errors import UserError
+from paratrain.recipes import recipe_names
+
+
+def register_loader(micro: Any) -> None:
+    p = micro.add_parser(
+        "loader",
+        help="DataLoader num_workers x pin_memory: batches/s of the loader and of training",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--recipe", help=f"one of: {', '.join(recipe_names())} (default digits)")
+    what.add_argument(
+        "--script",
+        metavar="FILE.py:FACTORY",
+        help="your model: FACTORY() returns (model, loss_fn, sample_batch[, make_optimizer])",
+    )
+    p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
+    p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
+    p.add_argument("--batch-size", type=int, help="default: the recipe's (32 for a script)")
+    p.add_argument("--device", help="where training steps run (default cuda:0 if any, else cpu)")
+    p.add_argument("--batches", type=int, default=30, help="timed batches per window (30)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed batches first (3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per setting (3)")
+    p.add_argument("--max-workers", type=int, help="largest num_workers (default: the cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r} is not a device (cpu, cuda:0, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: this machine has no CUDA GPU; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: this machine has no Apple GPU; use --device cpu")
+    return device
+
+
+def run_loader(args: argparse.Namespace) -> int:
+    from paratrain.bench.loader import measure_loader
+    from paratrain.bench.task import load_task
+
+    for flag, value, least in (
+        ("--batches", args.batches, 1),
+        ("--warmup", args.warmup, 0),
+        ("--repeats", args.repeats, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--max-workers", args.max_workers, 0),
+    ):
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    if args.script is not None and (args.data_dir is not None or args.synthetic is not None):
+        raise UserError("--data-dir and --synthetic are for recipes, not --script")
+    if args.script is not None:
+        source = TaskSource(script=args.script, seed=args.seed)
+    else:
+        recipe = args.recipe or DEFAULT_RECIPE
+        source = TaskSource(recipe, None, args.data_dir, args.synthetic, args.seed)
+    device = _device(args.device)
+    torch.manual_seed(args.seed)
+    task = load_task(source, args.batch_size)
+    batch_size = args.batch_size or task.default_batch_size
+    if batch_size > len(task.dataset):  # type: ignore[arg-type]
+        raise UserError(
+            f"--batch-size {batch_size} is larger than the {len(task.dataset)} "  # type: ignore[arg-type]
+            f"training samples of {source.name}"
+        )
+    show = (lambda text: print(f"measuring {text}", file=sys.stderr)) if not args.json else None
+    report = measure_loader(
+        task, device, batch_size, args.batches, args.warmup, args.repeats, args.max_workers, show
+    )
+    if args.json:
+        print(json.dumps({"source": source.name, **report.to_dict()}, indent=2))
+        return 0
+    table = Table(
+        title=f"DataLoader settings for {source.name}: batch {batch_size} on {report.device} "
+        "(batches/s, median and min-max)"
+    )
+    for column in ("num_workers", "pin_memory", "loader alone", "training"):
+        table.add_column(column, justify="right")
+    for row in report.rows:
+        table.add_row(
+            str(row.setting.num_workers),
+            str(row.setting.pin_memory),
+            _rate(row.loader),
+            _rate(row.training),
+        )
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console.print(table)
+    console.print(f"training steps on a batch kept in memory: {_rate(report.step_alone)}")
+    for note in report.notes:
+        console.print(f"note: {note}")
+    console.print(report.message)
+    return 0
+
+
+def _rate(s: Any) -> str:
+    return f"{s.median:,.1f} ({s.min:,.1f}-{s.max:,.1f})"
