@@ -7,10 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from torch import nn
+
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
-from paratrain.strategies import build_strategy, check_sync_batchnorm
+from paratrain.strategies import StrategyOptions, build_strategy, check_sync_batchnorm
 
 DEFAULT_RECIPE = "digits"
 
@@ -28,6 +30,9 @@ class RecipeDefaults(Protocol):
     def lr(self) -> float: ...
 
     def check_data_options(self, data_dir: str | None, synthetic: int | None) -> None: ...
+
+    @property
+    def build_model(self) -> Callable[[Any], nn.Module]: ...
 
 
 #: looks a recipe up by name, or raises ``UserError`` (``paratrain.recipes.get_recipe``)
@@ -61,6 +66,8 @@ class TrainConfig:
     keep: int = 3
     #: the checkpoint directory this run continues from (set by ``--resume``)
     resume_from: str | None = None
+    #: fsdp: comma-separated class or module names of the blocks sharded as one unit each
+    fsdp_blocks: str | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -90,8 +97,10 @@ class TrainConfig:
         if cfg.lr is None or not cfg.lr > 0:
             raise UserError(f"--lr must be a positive number, got {cfg.lr}")
         recipe.check_data_options(cfg.data_dir, cfg.synthetic)
-        strategy = build_strategy(cfg.strategy, cfg.devices)
+        strategy = build_strategy(cfg.strategy, cfg.devices, cfg.runtime_config().options)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
+        if strategy.checks_model:  # e.g. fsdp on a model without parameters
+            strategy.check_model(recipe.build_model(cfg))
         assert cfg.batch_size is not None
         if cfg.batch_size < len(strategy.devices):
             raise UserError(
@@ -109,7 +118,11 @@ class TrainConfig:
             accumulate=self.accumulate,
             sync_batchnorm=self.sync_batchnorm,
             deterministic=self.deterministic,
+            options=StrategyOptions(normalize_precision(self.precision), self.block_names()),
         )
+
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in (self.fsdp_blocks or "").split(",") if n.strip())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,7 +25,7 @@ from paratrain.training_state import (
     TrainingParts,
     load_checkpoint,
 )
-from paratrain.weights import save_weights, unwrap_model
+from paratrain.weights import unwrap_model
 
 
 @dataclass
@@ -161,9 +161,11 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     summary = Summary(
         epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
     )
+    if directory is not None:  # every process: fsdp gathers the sharded weights
+        rt.save_weights(model, directory / rundir.WEIGHTS)
     if writer is not None and directory is not None:
         writer.close()
-        _finish(rt, cfg, model, directory, summary)
+        _finish(rt, cfg, directory, summary)
     rt.barrier()
     return summary
 
@@ -186,11 +188,8 @@ def _mean_over_processes(rt: Runtime, loss_sum: torch.Tensor, count: int) -> flo
     return totals[0].item() / max(totals[1].item(), 1.0)
 
 
-def _finish(
-    rt: Runtime, cfg: TrainConfig, model: nn.Module, directory: Path, summary: Summary
-) -> None:
-    """The final weights, then config.json marked finished with the summary."""
-    save_weights(model, directory / rundir.WEIGHTS)
+def _finish(rt: Runtime, cfg: TrainConfig, directory: Path, summary: Summary) -> None:
+    """config.json marked finished with the summary (after the final weights)."""
     payload = _config_payload(rt, cfg, "finished")
     payload["summary"] = summary.__dict__
     rundir.write_config(directory, payload)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -35,11 +35,12 @@ from paratrain.precision import Precision, normalize_precision
 from paratrain.seeding import seed_everything
 from paratrain.strategies import (
     Strategy,
+    StrategyOptions,
     build_strategy,
     check_sync_batchnorm,
     strategy_names,
 )
-from paratrain.training_state import load_state, save_state
+from paratrain.training_state import load_state, save_model_weights, save_state
 
 T = TypeVar("T")
 
@@ -59,6 +60,8 @@ class RuntimeConfig:
     accumulate: int = 1
     sync_batchnorm: bool = False
     deterministic: bool = False
+    #: what only some strategies read (fsdp blocks, pipeline splits and micro-batches)
+    options: StrategyOptions = field(default_factory=StrategyOptions)
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
@@ -82,7 +85,11 @@ class Runtime:
         accumulate: int = 1,
         sync_batchnorm: bool = False,
         deterministic: bool = False,
+        fsdp_blocks: Sequence[str] = (),
     ) -> None:
+        """``fsdp_blocks``: class names (``"TransformerBlock"``) or module names of the
+        blocks ``strategy="fsdp"`` shards as one unit each; default: the model's repeated
+        layers."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -98,8 +105,9 @@ class Runtime:
             accumulate,
             sync_batchnorm,
             deterministic,
+            StrategyOptions(normalize_precision(precision), tuple(fsdp_blocks)),
         ).validate()
-        self.strategy: Strategy = build_strategy(strategy, spec)
+        self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.seed = seed
@@ -117,6 +125,7 @@ class Runtime:
             config.accumulate,
             config.sync_batchnorm,
             config.deterministic,
+            config.options.fsdp_blocks,
         )
 
     @property
@@ -188,6 +197,8 @@ class Runtime:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(self.device)
         wrapped = self.strategy.wrap_model(model)
+        if optimizer is not None:
+            self.strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
         wrapped = self._guard_forward(wrapped)
         wrapped = self.precision.wrap_forward(wrapped)
         if self.config.deterministic:
@@ -334,6 +345,12 @@ class Runtime:
         processes, restore this process's random generators. Returns every saved entry."""
         self._connect()
         return load_state(self.strategy.collective, self.strategy.devices, path, into, rng)
+
+    def save_weights(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
+        """Write ``model``'s full weights with plain names to ``path`` (safetensors). Call it
+        on every process: sharded (fsdp) weights are gathered, the main process writes."""
+        self._connect()
+        save_model_weights(self.strategy.collective, model, path)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

@@ -44,6 +44,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
     p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
     p.add_argument("--cifar-stem", action="store_true", help="ResNet with a 3x3 stem, no max-pool")
+    p.add_argument(
+        "--fsdp-blocks",
+        metavar="NAMES",
+        help="fsdp: class or module names (comma-separated) sharded as one unit each; "
+        "default: the model's repeated layers",
+    )
 
 
 def register(subparsers: Any) -> None:
