@@ -60,7 +60,7 @@ class RuntimeConfig:
     accumulate: int = 1
     sync_batchnorm: bool = False
     deterministic: bool = False
-    #: what only some strategies read (fsdp blocks, pipeline splits and micro-batches)
+    #: what only some strategies read (fsdp's blocks)
     options: StrategyOptions = field(default_factory=StrategyOptions)
 
     def validate(self) -> RuntimeConfig:

@@ -1,5 +1,5 @@
 """A small GPT-style language model whose width and depth are settings, so that it can be
-made as large as sharding needs (``fsdp``) and split into stages (``pipeline``).
+made as large as sharding needs (``fsdp``).
 
 The repeated ``TransformerBlock`` layers are what FSDP's default policy shards one by one;
 the token embedding, positions, final norm and head stay with the root. With a tied head

@@ -29,12 +29,6 @@ class StrategyOptions:
     precision: str = "32"
     #: FSDP: class names or module names of the blocks sharded as one unit each
     fsdp_blocks: tuple[str, ...] = ()
-    #: pipeline: names of the top-level layers where a new stage starts
-    pipeline_splits: tuple[str, ...] = ()
-    #: pipeline: micro-batches per batch (default: the number of stages)
-    microbatches: int | None = None
-    #: pipeline: ``gpipe`` or ``1f1b``
-    pipeline_schedule: str = "gpipe"
 
 
 class Strategy(ABC):
