@@ -17,6 +17,8 @@ from torch import nn
 
 import paratrain
 from paratrain import recipes
+from paratrain.bench.combos import enumerate_combos
+from paratrain.bench.recommend import Candidate, recommend
 from paratrain.config import TrainConfig
 from paratrain.dtensors import local_bytes
 from paratrain.errors import UserError
@@ -168,3 +170,13 @@ def test_fsdp_run_stopped_and_resumed_is_bit_identical(paratrain_cli: CLI, tmp_p
     optimizer.load_state_dict(
         torch.load(tmp_path / "run/checkpoints/step-000012/optimizer.pt", weights_only=True)
     )
+
+
+def test_bench_measures_fsdp_and_says_when_it_is_the_only_fit() -> None:
+    combos = enumerate_combos(None, ["32"], [8], "cpu,cpu")
+    fsdp = [c for c in combos if c.strategy == "fsdp"]
+    assert [(c.processes, c.skip_reason) for c in fsdp] == [(2, None)]
+    ran = Candidate("fsdpx2 32 b64", "ok", [100.0, 101.0, 102.0])
+    message = recommend([Candidate("cuda 32 b64", "oom"), ran]).message
+    assert "the only layout that fits in memory (cuda 32 b64: out of memory)" in message
+    assert "only combination that ran" in recommend([ran]).message
