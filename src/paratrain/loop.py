@@ -56,6 +56,9 @@ def evaluate(
     was_training = inner.training
     inner.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
+    batches, most, x = 0, 0, None
+    if rt.strategy.collective_forward:  # before any forward: collectives run in one order
+        most = int(rt.all_reduce(torch.tensor(float(len(loader)), device=rt.device), "max").item())
     with torch.no_grad(), rt.autocast():
         for x, y in loader:
             output = inner(x).float()
@@ -63,6 +66,12 @@ def evaluate(
             if classify:
                 totals[1] += (output.argmax(dim=1) == y).sum()
             totals[2] += len(y)
+            batches += 1
+        # fsdp gathers parameters in every forward: a process whose part of the last batch
+        # is empty runs a forward that counts nothing, so the others do not wait for it.
+        if x is not None:
+            for _ in range(most - batches):
+                inner(x[:1])
     inner.train(was_training)
     totals = rt.all_reduce(totals, "sum").cpu()
     count = max(totals[2].item(), 1.0)

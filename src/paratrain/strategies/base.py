@@ -40,6 +40,8 @@ class Strategy(ABC):
     needs_loss_fn: ClassVar[bool] = False
     #: BatchNorm statistics can be synchronized across this strategy's processes.
     syncs_batchnorm: ClassVar[bool] = False
+    #: every process must run the same number of forwards (fsdp gathers parameters in each)
+    collective_forward: ClassVar[bool] = False
     #: ``check_model`` refuses some models: `paratrain train` builds the model to ask first.
     checks_model: ClassVar[bool] = False
 

@@ -39,6 +39,7 @@ class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     syncs_batchnorm = False
     checks_model = True
+    collective_forward = True
     description = (
         "FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over one "
         "process per device (nccl on CUDA, gloo on CPU)"
