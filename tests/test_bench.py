@@ -68,7 +68,7 @@ def test_default_combos_are_every_available_strategy_at_native_precisions() -> N
     skipped = {c.strategy for c in combos if c.skip_reason is not None}
     precisions = default_precisions("cpu")
     assert precisions[0] == "32"
-    assert runnable == {(s, p) for s in ("cpu", "ddp") for p in precisions}
+    assert runnable == {(s, p) for s in ("cpu", "ddp", "fsdp") for p in precisions}
     assert {"cuda", "dp", "mps", "dp-balanced"} <= skipped
     balanced = next(c for c in combos if c.strategy == "dp-balanced")
     assert "test layout" in str(balanced.skip_reason)
@@ -190,7 +190,7 @@ def test_out_of_memory_and_skipped_are_excluded_however_fast() -> None:
     )
     assert rec.winner == "cpu" and rec.runner_up is None and rec.margin is None
     assert rec.excluded == {"big batch": "oom", "dp": "skipped", "ddp": "error"}
-    assert "the only combination that ran" in rec.message
+    assert "the only layout that fits in memory (big batch: out of memory)" in rec.message
 
 
 def test_nothing_to_recommend_when_all_are_skipped() -> None:

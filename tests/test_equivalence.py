@@ -1,8 +1,8 @@
 """The promise: the same seed and global batch give the same weights on every layout.
 
 `paratrain train` runs the digits recipe in fp32 for 50 optimizer steps (into a second
-epoch, through an uneven last batch) on one CPU process, ddp with 2 and with 3 gloo
-processes, and the balanced DataParallel on ``cpu,cpu``; the saved weights must agree
+epoch, through an uneven last batch) on one CPU process, ddp and fsdp with 2 and with 3
+gloo processes, and the balanced DataParallel on ``cpu,cpu``; the saved weights must agree
 within 1e-5.
 """
 
@@ -23,6 +23,8 @@ TOLERANCE = 1e-5
 LAYOUTS = [
     ("ddp", "cpu,cpu"),
     ("ddp", "cpu,cpu,cpu"),
+    ("fsdp", "cpu,cpu"),
+    ("fsdp", "cpu,cpu,cpu"),
     pytest.param(
         "dp-balanced",
         "cpu,cpu",

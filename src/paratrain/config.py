@@ -7,13 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from torch import nn
+
 from paratrain.batching import check_batch_size_per
 from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
 from paratrain.speed import SpeedOptions, check_speed
-from paratrain.strategies import build_strategy, check_sync_batchnorm
+from paratrain.strategies import StrategyOptions, build_strategy, check_sync_batchnorm
 
 DEFAULT_RECIPE = "digits"
 
@@ -33,6 +35,9 @@ class RecipeDefaults(Protocol):
     def check_data_options(
         self, data_dir: str | None, synthetic: int | None, download: bool = False
     ) -> None: ...
+
+    @property
+    def build_model(self) -> Callable[[Any], nn.Module]: ...
 
 
 #: looks a recipe up by name, or raises ``UserError`` (``paratrain.recipes.get_recipe``)
@@ -80,6 +85,8 @@ class TrainConfig:
     compile: str | None = None
     #: None: automatic (a model with Conv2d on CUDA); --channels-last / --no-channels-last
     channels_last: bool | None = None
+    #: fsdp: comma-separated class or module names of the blocks sharded as one unit each
+    fsdp_blocks: str | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -109,10 +116,12 @@ class TrainConfig:
         if cfg.lr is None or not cfg.lr > 0:
             raise UserError(f"--lr must be a positive number, got {cfg.lr}")
         recipe.check_data_options(cfg.data_dir, cfg.synthetic, cfg.download)
-        strategy = build_strategy(cfg.strategy, cfg.devices)
+        strategy = build_strategy(cfg.strategy, cfg.devices, cfg.runtime_config().options)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
         check_speed(strategy, cfg.speed_options())
+        if strategy.checks_model:  # e.g. fsdp on a model without parameters
+            strategy.check_model(recipe.build_model(cfg))
         assert cfg.batch_size is not None
         check_batch_size_per(cfg.batch_size_per)
         per_process = cfg.batch_size_per == "process"
@@ -134,10 +143,14 @@ class TrainConfig:
             deterministic=self.deterministic,
             speed=self.speed_options(),
             batch_size_per=self.batch_size_per,
+            options=StrategyOptions(normalize_precision(self.precision), self.block_names()),
         )
 
     def speed_options(self) -> SpeedOptions:
         return SpeedOptions.of(self.compile, self.channels_last)
+
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in (self.fsdp_blocks or "").split(",") if n.strip())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

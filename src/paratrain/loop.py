@@ -28,7 +28,7 @@ from paratrain.training_state import (
     TrainingParts,
     load_checkpoint,
 )
-from paratrain.weights import save_weights, unwrap_model
+from paratrain.weights import unwrap_model
 
 
 @dataclass
@@ -60,6 +60,9 @@ def evaluate(
     was_training = inner.training
     inner.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
+    batches, most, x = 0, 0, None
+    if rt.strategy.collective_forward:  # before any forward: collectives run in one order
+        most = int(rt.all_reduce(torch.tensor(float(len(loader)), device=rt.device), "max").item())
     with torch.no_grad(), rt.autocast():
         for x, y in loader:
             output = inner(x).float()
@@ -67,6 +70,12 @@ def evaluate(
             if classify:
                 totals[1] += (output.argmax(dim=1) == y).sum()
             totals[2] += len(y)
+            batches += 1
+        # fsdp gathers parameters in every forward: a process whose part of the last batch
+        # is empty runs a forward that counts nothing, so the others do not wait for it.
+        if x is not None:
+            for _ in range(most - batches):
+                inner(x[:1])
     inner.train(was_training)
     totals = rt.all_reduce(totals, "sum").cpu()
     count = max(totals[2].item(), 1.0)
@@ -194,9 +203,11 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
     summary.times = clock.times(samples)
     if timings is not None:
         timings.close()
+    if directory is not None:  # every process: fsdp gathers the sharded weights
+        rt.save_weights(model, directory / rundir.WEIGHTS)
     if writer is not None and directory is not None:
         writer.close()
-        _finish(rt, cfg, model, directory, summary)
+        _finish(rt, cfg, directory, summary)
     rt.barrier()
     return summary
 
@@ -235,11 +246,8 @@ def _mean_over_processes(rt: Runtime, loss_sum: torch.Tensor, count: int) -> flo
     return totals[0].item() / max(totals[1].item(), 1.0)
 
 
-def _finish(
-    rt: Runtime, cfg: TrainConfig, model: nn.Module, directory: Path, summary: Summary
-) -> None:
-    """The final weights, then config.json marked finished with the summary."""
-    save_weights(model, directory / rundir.WEIGHTS)
+def _finish(rt: Runtime, cfg: TrainConfig, directory: Path, summary: Summary) -> None:
+    """config.json marked finished with the summary (after the final weights)."""
     payload = _config_payload(rt, cfg, "finished")
     payload["summary"] = dataclasses.asdict(summary)
     rundir.write_config(directory, payload)

@@ -195,3 +195,51 @@ register_recipe(
         download_data=_cifar_download,
     )
 )
+
+
+# -- tiny-gpt (models too big for one device) --------------------------------------------------
+#: the recipe's model (vocabulary, width, depth, heads, context); benchmarks scale it up
+GPT_VOCAB, GPT_WIDTH, GPT_DEPTH, GPT_HEADS, GPT_CONTEXT = 64, 64, 4, 4, 32
+
+
+def _gpt_model(cfg: RecipeSettings) -> nn.Module:
+    from paratrain.models import GPT
+
+    return GPT(GPT_VOCAB, GPT_WIDTH, GPT_DEPTH, GPT_HEADS, GPT_CONTEXT)
+
+
+def _gpt_data(cfg: RecipeSettings) -> Datasets:
+    from paratrain.data.tokens import markov_tokens
+
+    # Fixed data (not the run's seed), like the linear recipe.
+    tokens = markov_tokens(1200, GPT_CONTEXT, GPT_VOCAB, seed=7)
+    return torch.utils.data.Subset(tokens, range(1000)), torch.utils.data.Subset(
+        tokens, range(1000, 1200)
+    )
+
+
+def _gpt_loss() -> nn.Module:
+    from paratrain.models import TokenCrossEntropy
+
+    return TokenCrossEntropy()
+
+
+def _adamw(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
+    assert cfg.lr is not None
+    return torch.optim.AdamW(params, lr=cfg.lr)
+
+
+register_recipe(
+    Recipe(
+        name="tiny-gpt",
+        description="GPT-style transformer (4 blocks, width 64) on a seeded Markov-chain language",
+        epochs=2,
+        batch_size=32,
+        lr=3e-3,
+        build_model=_gpt_model,
+        build_data=_gpt_data,
+        build_optimizer=_adamw,
+        build_loss=_gpt_loss,
+        classification=False,
+    )
+)

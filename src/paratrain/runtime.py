@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,11 +40,12 @@ from paratrain.seeding import seed_everything
 from paratrain.speed import Speed, SpeedOptions
 from paratrain.strategies import (
     Strategy,
+    StrategyOptions,
     build_strategy,
     check_sync_batchnorm,
     strategy_names,
 )
-from paratrain.training_state import load_state, save_state
+from paratrain.training_state import load_state, save_model_weights, save_state
 from paratrain.uneven import join_uneven
 
 T = TypeVar("T")
@@ -68,6 +69,8 @@ class RuntimeConfig:
     speed: SpeedOptions = field(default_factory=SpeedOptions)
     #: "global" (default) or "process": what a loader's batch_size means (paratrain.batching)
     batch_size_per: str = "global"
+    #: what only some strategies read (fsdp's blocks)
+    options: StrategyOptions = field(default_factory=StrategyOptions)
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
@@ -96,11 +99,14 @@ class Runtime:
         channels_last: bool | None = None,
         fused_optimizer: bool | None = None,
         batch_size_per: str = "global",
+        fsdp_blocks: Sequence[str] = (),
     ) -> None:
         """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
         ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
-        (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.speed`."""
+        (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.speed`; ``fsdp_blocks``: class
+        names (``"TransformerBlock"``) or module names of the blocks ``strategy="fsdp"``
+        shards as one unit each (default: the model's repeated layers)."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -119,8 +125,9 @@ class Runtime:
             deterministic,
             speed,
             batch_size_per,
+            StrategyOptions(normalize_precision(precision), tuple(fsdp_blocks)),
         ).validate()
-        self.strategy: Strategy = build_strategy(strategy, spec)
+        self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
         self.speed = Speed(speed, self.strategy)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
@@ -145,6 +152,7 @@ class Runtime:
             config.speed.channels_last,
             config.speed.fused_optimizer,
             config.batch_size_per,
+            config.options.fsdp_blocks,
         )
 
     @property
@@ -218,6 +226,8 @@ class Runtime:
         model.to(self.device)
         self.speed.prepare_model(model)
         wrapped = self.strategy.wrap_model(model)
+        if optimizer is not None:
+            self.strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
         wrapped = self.speed.wrap_model(wrapped)
         wrapped = self._guard_forward(wrapped)
         wrapped = self.precision.wrap_forward(wrapped)
@@ -402,6 +412,12 @@ class Runtime:
         processes, restore this process's random generators. Returns every saved entry."""
         self._connect()
         return load_state(self.strategy.collective, self.strategy.devices, path, into, rng)
+
+    def save_weights(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
+        """Write ``model``'s full weights with plain names to ``path`` (safetensors). Call it
+        on every process: sharded (fsdp) weights are gathered, the main process writes."""
+        self._connect()
+        save_model_weights(self.strategy.collective, model, path)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

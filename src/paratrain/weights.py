@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
 from paratrain.atomic import atomic_write
+from paratrain.dtensors import full, is_sharded
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -43,16 +45,19 @@ def strip_prefixes(key: str) -> str:
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights on the CPU, with plain names, ready for safetensors."""
+    """The model's weights on the CPU, with plain names, ready for safetensors.
+
+    A sharded (FSDP) model's tensors are gathered whole: every process must call it then."""
     return plain_tensors(unwrap_model(model).state_dict())
 
 
 def plain_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` on the CPU with wrapper prefixes stripped, ready for safetensors."""
+    """``state`` on the CPU with wrapper prefixes stripped, ready for safetensors (sharded
+    tensors gathered whole, a collective)."""
     plain: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for key, value in state.items():
-        tensor = value.detach().cpu().contiguous()
+        tensor = full(value.detach()).cpu().contiguous()
         if tensor.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
             tensor = tensor.clone()
         seen.add(tensor.data_ptr())
@@ -61,6 +66,15 @@ def plain_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_weights(model: nn.Module, path: str | Path) -> None:
-    """Write ``model``'s plain state dict to ``path`` as safetensors, atomically."""
+    """Write ``model``'s plain state dict to ``path`` as safetensors, atomically. For a
+    sharded (FSDP) model call it on every process: they gather the weights, the main one
+    writes."""
+    sharded = any(is_sharded(t) for t in unwrap_model(model).state_dict().values())
     state = plain_state_dict(model)
+    if sharded and not _is_main():
+        return
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+
+
+def _is_main() -> bool:
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0

@@ -6,7 +6,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
+from paratrain.dtensors import local_bytes
 from paratrain.peak_memory import peak_rss_bytes
 
 
@@ -17,6 +19,17 @@ def synchronize(devices: Iterable[torch.device]) -> None:
             torch.cuda.synchronize(device)
         elif device.type == "mps":
             torch.mps.synchronize()
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state this process holds: its shards
+    under fsdp (``DTensor.to_local()``), whole tensors elsewhere. Call it after a step,
+    before ``zero_grad``, so the gradients and optimizer state exist."""
+    params = list(model.parameters())
+    total = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in params)
+    for state in optimizer.state.values():
+        total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
 
 
 def memory_snapshot(devices: Iterable[torch.device], rank: int) -> dict[str, Any]:

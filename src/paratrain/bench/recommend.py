@@ -69,12 +69,14 @@ def recommend(candidates: Sequence[Candidate]) -> Recommendation:
     measured.sort(key=lambda item: item[1].median, reverse=True)
     best_label, best = measured[0]
     if len(measured) == 1:
+        out_of_memory = [label for label, status in excluded.items() if status == "oom"]
+        why = "the only combination that ran"
+        if out_of_memory:
+            why = f"the only layout that fits in memory ({', '.join(out_of_memory)}: out of memory)"
         return Recommendation(
             winner=best_label,
             excluded=excluded,
-            message=(
-                f"use {best_label}: {best.median:,.0f} samples/s, the only combination that ran"
-            ),
+            message=f"use {best_label}: {best.median:,.0f} samples/s, {why}",
         )
     second_label, second = measured[1]
     margin = best.median / second.median - 1.0 if second.median > 0 else None

@@ -60,6 +60,12 @@ def _memory_cell(result: RunResult) -> str:
     return "\n".join(f"{name.removesuffix(' RSS')} {format_bytes(value)}" for name, value in bars)
 
 
+def _state_bytes(result: RunResult) -> int | None:
+    """The most parameter + gradient + optimizer-state bytes any one process held."""
+    held = [b for b in (result.memory or {}).get("state_bytes", []) if b is not None]
+    return max(held) if held else None
+
+
 def result_dict(result: RunResult) -> dict[str, Any]:
     sps = result.samples_per_second()
     steps = result.step_seconds()
@@ -114,6 +120,7 @@ def build_table(report: BenchReport) -> Table:
     table.add_column("min-max", justify="right")
     table.add_column("ms/step", justify="right")
     table.add_column("peak memory", justify="right")
+    table.add_column("state/proc", justify="right")
     table.add_column("gathered", justify="right")
     for result in report.results:
         if result.status == "skipped":
@@ -129,6 +136,7 @@ def build_table(report: BenchReport) -> Table:
             f"{min(sps):,.0f}-{max(sps):,.0f}" if sps else "-",
             "-" if step_ms is None else f"{step_ms:.2f}",
             _memory_cell(result),
+            format_bytes(_state_bytes(result)),
             format_bytes(result.gathered_bytes_per_step),
             style="red" if result.status != "ok" else None,
         )
@@ -153,8 +161,9 @@ def print_report(report: BenchReport, console: Console) -> None:
     console.print(build_table(report))
     console.print(
         "samples/s: median over the timed windows (min-max); x2: timed again in a fresh "
-        "process; memory: peak per GPU, else peak RSS per process; gathered: bytes brought "
-        "to the first device per step",
+        "process; memory: peak per GPU, else peak RSS per process; state/proc: parameters "
+        "+ gradients + optimizer state of one process (fsdp: its shards); gathered: bytes "
+        "brought to the first device per step",
         style="dim",
     )
     for line in notes(report):

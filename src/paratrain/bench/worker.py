@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from paratrain.atomic import atomic_write_text
-from paratrain.bench.memory import memory_snapshot, synchronize
+from paratrain.bench.memory import memory_snapshot, synchronize, training_state_bytes
 from paratrain.bench.task import TaskSource, load_task
 from paratrain.errors import UserError
 from paratrain.peak_memory import peak_rss_bytes
@@ -99,6 +99,7 @@ def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
     batches = _endless(loader)
     model.train()
     output_bytes: list[int] = []
+    state_bytes: list[int] = []
 
     def step() -> None:
         inputs, targets = next(batches)
@@ -108,6 +109,8 @@ def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
         loss = loss_fn(outputs, targets)
         rt.backward(loss)
         optimizer.step()
+        if not state_bytes:  # gradients and optimizer state exist only until zero_grad
+            state_bytes.append(training_state_bytes(model, optimizer))
         optimizer.zero_grad()
 
     # A process that drives several devices synchronizes them all; a process of a group
@@ -129,6 +132,7 @@ def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
         "seconds": seconds,
         "gathered_bytes_per_step": _gathered_bytes(rt, output_bytes),
         "runtime": rt.describe(),
+        "state_bytes": state_bytes[0] if state_bytes else None,
         "local_devices": [str(d) for d in local],
     }
 
@@ -212,6 +216,8 @@ def collect(out_dir: Path, processes: int) -> dict[str, Any]:
     result["memory"] = {
         "devices": [d for r in records for d in r.get("memory", {}).get("devices", [])],
         "host": [r["memory"]["host"] for r in records if "memory" in r],
+        # parameters + gradients + optimizer state held by each process (fsdp: its shards)
+        "state_bytes": [r.get("state_bytes") for r in records],
     }
     tracebacks = [r["traceback"] for r in records if r.get("traceback")]
     if tracebacks:

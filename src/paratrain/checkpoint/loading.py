@@ -8,6 +8,7 @@ from torch import nn
 from paratrain.checkpoint.formats import Checkpoint, Source, read_checkpoint
 from paratrain.checkpoint.keys import canonical_maps, describe_rename, find_rename, rename
 from paratrain.checkpoint.report import LoadReport, ShapeMismatch, WeightsMismatchError
+from paratrain.dtensors import shard_like
 from paratrain.weights import unwrap_model
 
 
@@ -16,7 +17,8 @@ def load_weights(model: nn.Module, source: Source | Checkpoint, strict: bool = T
 
     ``source``: a ``.safetensors`` or ``torch.save`` file (a state dict, or a dict holding one
     under ``state_dict``/``model``), a paratrain run or checkpoint directory, a dict, or a
-    module. ``model``: bare, ``nn.DataParallel``, DDP or ``torch.compile``-d. Wrapper prefixes
+    module. ``model``: bare, ``nn.DataParallel``, DDP, FSDP (``fully_shard``: every process
+    loads its own shards, no communication) or ``torch.compile``-d. Wrapper prefixes
     (``module.``, ``_orig_mod.``) are matched in any order; a prefix the checkpoint's keys
     share (Lightning's ``model.``) is removed when that makes them match, with a hint.
 
@@ -30,6 +32,9 @@ def load_weights(model: nn.Module, source: Source | Checkpoint, strict: bool = T
     report, state = match_weights(target, checkpoint)
     if strict and not report.ok:
         raise WeightsMismatchError(report)
+    current = target.state_dict()
+    # A sharded (FSDP) model takes this process's part of each full tensor.
+    state = {key: shard_like(value, current[key]) for key, value in state.items()}
     with torch.no_grad():
         target.load_state_dict(state, strict=strict)
     return report

@@ -79,6 +79,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="channels-last memory format (default: on for convolutional models on CUDA)",
     )
+    p.add_argument(
+        "--fsdp-blocks",
+        metavar="NAMES",
+        help="fsdp: class or module names (comma-separated) sharded as one unit each; "
+        "default: the model's repeated layers",
+    )
 
 
 def register(subparsers: Any) -> None:

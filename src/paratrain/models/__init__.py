@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from paratrain.models.gpt import GPT, TokenCrossEntropy, TransformerBlock
 from paratrain.models.resnet import BasicBlock, ResNet, resnet18
 from paratrain.models.small import DigitsCNN
 
-__all__ = ["BasicBlock", "DigitsCNN", "ResNet", "resnet18"]
+__all__ = [
+    "GPT",
+    "BasicBlock",
+    "DigitsCNN",
+    "ResNet",
+    "TokenCrossEntropy",
+    "TransformerBlock",
+    "resnet18",
+]

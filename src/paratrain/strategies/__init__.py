@@ -6,8 +6,16 @@ import torch
 
 from paratrain.devices import cuda_count, mps_available, parse_count, parse_device_list
 from paratrain.errors import UserError
-from paratrain.strategies import cpu, cuda, ddp, dp, dp_balanced, mps  # noqa: F401  (registration)
-from paratrain.strategies.base import Collective, Strategy
+from paratrain.strategies import (  # noqa: F401  (registration)
+    cpu,
+    cuda,
+    ddp,
+    dp,
+    dp_balanced,
+    fsdp,
+    mps,
+)
+from paratrain.strategies.base import Collective, Strategy, StrategyOptions
 from paratrain.strategies.distributed import launched
 from paratrain.strategies.registry import (
     AUTO,
@@ -21,6 +29,7 @@ __all__ = [
     "AUTO",
     "Collective",
     "Strategy",
+    "StrategyOptions",
     "build_strategy",
     "check_sync_batchnorm",
     "describe_strategies",
@@ -61,11 +70,14 @@ def check_sync_batchnorm(strategy: Strategy, sync_batchnorm: bool) -> None:
         )
 
 
-def build_strategy(name: str, devices: str | int | None) -> Strategy:
-    """Validate ``name`` and ``devices`` and build the strategy (no process group yet)."""
+def build_strategy(
+    name: str, devices: str | int | None, options: StrategyOptions | None = None
+) -> Strategy:
+    """Validate ``name``, ``devices`` and ``options`` and build the strategy (no process
+    group yet)."""
     spec = None if devices is None else str(devices)
     if name == AUTO:
         name = resolve_auto(spec)
     cls = strategy_class(name)
     resolved: list[torch.device] = cls.resolve_devices(spec)
-    return cls(resolved)
+    return cls(resolved, options)

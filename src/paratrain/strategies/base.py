@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +18,17 @@ from torch import nn
 
 from paratrain.collective import Collective, ReduceOp
 
-__all__ = ["Collective", "ReduceOp", "Strategy", "iter_tensors"]
+__all__ = ["Collective", "ReduceOp", "Strategy", "StrategyOptions", "iter_tensors"]
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Settings only some strategies read (the others ignore them)."""
+
+    #: the run's precision (``32``, ``bf16``, ``fp16``): FSDP gathers parameters in it
+    precision: str = "32"
+    #: FSDP: class names or module names of the blocks sharded as one unit each
+    fsdp_blocks: tuple[str, ...] = ()
 
 
 class Strategy(ABC):
@@ -29,9 +40,14 @@ class Strategy(ABC):
     needs_loss_fn: ClassVar[bool] = False
     #: BatchNorm statistics can be synchronized across this strategy's processes.
     syncs_batchnorm: ClassVar[bool] = False
+    #: every process must run the same number of forwards (fsdp gathers parameters in each)
+    collective_forward: ClassVar[bool] = False
+    #: ``check_model`` refuses some models: `paratrain train` builds the model to ask first.
+    checks_model: ClassVar[bool] = False
 
-    def __init__(self, devices: list[torch.device]) -> None:
+    def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices
+        self.options = options or StrategyOptions()
         self.collective: Collective = Collective()
 
     # -- chosen before any process exists ---------------------------------------------------
@@ -64,9 +80,17 @@ class Strategy(ABC):
         """Into how many parts the global batch is split across processes."""
         return self.collective.world_size
 
+    def check_model(self, model: nn.Module) -> None:  # noqa: B027  (optional hook)
+        """Raise ``UserError`` if this strategy cannot train ``model``; called before any
+        process starts where the model is known (``paratrain train``), and by ``wrap_model``."""
+
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Wrap a model already moved to ``root_device``."""
+
+    def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
+        """Point an optimizer built before ``wrap_model`` at the parameters the model trains
+        with now (FSDP replaces them by sharded ones). Nothing for most strategies."""
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return loss_fn

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.devices import check_cuda_devices, cuda_count, parse_count, parse_device_list
 from paratrain.errors import LaunchError, UserError
-from paratrain.strategies.base import Strategy
+from paratrain.strategies.base import Strategy, StrategyOptions
 from paratrain.strategies.distributed import (
     COLLECTIVE_TIMEOUT_VARIABLE,
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -52,10 +52,11 @@ class DDPStrategy(Strategy):
     def __init__(
         self,
         devices: list[torch.device],
+        options: StrategyOptions | None = None,
         init_timeout: timedelta | None = None,
         collective_timeout: timedelta | None = None,
     ) -> None:
-        super().__init__(devices)
+        super().__init__(devices, options)
         self.init_timeout = init_timeout or timeout_from_env(
             INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT
         )
@@ -91,12 +92,14 @@ class DDPStrategy(Strategy):
         kinds = {device.type for device in devices}
         if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
             raise UserError(
-                f"--strategy ddp needs CUDA devices or CPU processes of one kind, got --devices "
-                f"{spec}; write e.g. 0,1 or cpu,cpu"
+                f"--strategy {cls.name} needs CUDA devices or CPU processes of one kind, got "
+                f"--devices {spec}; write e.g. 0,1 or cpu,cpu"
             )
         check_cuda_devices(devices)
         if "cuda" in kinds and len(set(devices)) != len(devices):
-            raise UserError(f"--devices {spec} names a GPU twice; ddp runs one process per GPU")
+            raise UserError(
+                f"--devices {spec} names a GPU twice; {cls.name} runs one process per GPU"
+            )
         if local is not None and len(devices) != local:
             raise UserError(
                 f"the launcher started {local} process(es) on this machine but --devices {spec} "
@@ -154,7 +157,7 @@ class DDPStrategy(Strategy):
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             raise UserError(
-                f"strategy ddp runs {len(self.devices)} processes: put the training in a "
+                f"strategy {self.name} runs {len(self.devices)} processes: put the training in a "
                 "function and call rt.launch(fn), or start the script with torchrun or "
                 "`paratrain run`"
             )

@@ -19,7 +19,7 @@ from torch import nn
 
 from paratrain.devices import cuda_count, parse_count, parse_device_list
 from paratrain.errors import UserError
-from paratrain.strategies.base import Strategy
+from paratrain.strategies.base import Strategy, StrategyOptions
 from paratrain.strategies.parallel_apply import GatherMeter, parallel_apply
 from paratrain.strategies.registry import register
 
@@ -116,8 +116,8 @@ class DataParallelStrategy(Strategy):
         "one process, torch.nn.DataParallel over CUDA GPUs (outputs and loss on the first)"
     )
 
-    def __init__(self, devices: list[torch.device]) -> None:
-        super().__init__(devices)
+    def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
+        super().__init__(devices, options)
         self.meter = GatherMeter()
 
     @classmethod

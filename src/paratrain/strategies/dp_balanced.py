@@ -36,7 +36,7 @@ from torch import nn
 
 from paratrain.errors import UserError
 from paratrain.precision import to_float32
-from paratrain.strategies.base import Strategy
+from paratrain.strategies.base import Strategy, StrategyOptions
 from paratrain.strategies.dp import resolve_parallel_devices
 from paratrain.strategies.parallel_apply import (
     AUTOCAST_DEVICE_TYPES,
@@ -185,8 +185,8 @@ class BalancedDataParallelStrategy(Strategy):
     description = "one process, several GPUs (or cpu,cpu); loss per device, only losses gathered"
     needs_loss_fn = True
 
-    def __init__(self, devices: list[torch.device]) -> None:
-        super().__init__(devices)
+    def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
+        super().__init__(devices, options)
         self.meter = GatherMeter()
 
     @classmethod

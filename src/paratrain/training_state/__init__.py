@@ -13,6 +13,7 @@ generators all come back.
 from __future__ import annotations
 
 from paratrain.training_state.rng import capture_rng, restore_rng
+from paratrain.training_state.sharded import save_model_weights
 from paratrain.training_state.snapshot import (
     Checkpointer,
     Position,
@@ -45,5 +46,6 @@ __all__ = [
     "read_state",
     "remove_checkpoints",
     "restore_rng",
+    "save_model_weights",
     "save_state",
 ]

@@ -2,9 +2,10 @@
 
 One checkpoint directory (see :mod:`.store`) holds:
 
-* ``model.safetensors``: the weights, plain parameter names;
+* ``model.safetensors``: the weights, plain parameter names (full tensors, also under FSDP);
 * ``optimizer.pt``, ``scheduler.pt`` (a recipe with a scheduler), ``scaler.pt`` (fp16 on
-  CUDA): their ``state_dict()``;
+  CUDA): their ``state_dict()`` (an FSDP optimizer's state gathered whole: the same file as
+  one process writes);
 * ``rng-rank{R}.pt``: the generator states of process R (Python, NumPy, torch CPU, CUDA),
   gathered to the main process, which alone writes;
 * ``state.json``: where training stands (``epoch``, ``batch`` = global batches of that epoch
@@ -35,6 +36,11 @@ from paratrain.errors import UserError
 from paratrain.training_state.background import BackgroundWriter, detached_copy
 from paratrain.training_state.collect import gather_to_main
 from paratrain.training_state.rng import capture_rng, restore_rng
+from paratrain.training_state.sharded import (
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+)
 from paratrain.training_state.store import (
     CHECKPOINTS,
     STATE,
@@ -44,7 +50,6 @@ from paratrain.training_state.store import (
     write_checkpoint,
 )
 from paratrain.version import __version__
-from paratrain.weights import plain_tensors, unwrap_model
 
 FORMAT = 1
 #: settings a checkpoint can only be resumed with (the data position and step count
@@ -182,6 +187,10 @@ class Checkpointer:
         if self.run_dir is None or (epoch, batch, step) == self._last:
             return None
         self._last = (epoch, batch, step)
+        # Sharded (FSDP) tensors are gathered by every process: before the main one goes on.
+        collective = self.layout.collective
+        weights = model_state(collective, self.parts.model)
+        optimizer = optimizer_state(collective, self.parts.optimizer)
         mine = {
             "rng": capture_rng(self.layout.devices),
             "loss_sum": float(loss_sum),
@@ -202,10 +211,12 @@ class Checkpointer:
             "last_metrics": self.last_metrics,
             "paratrain": __version__,
         }
+        assert weights is not None and optimizer is not None  # the main process has them
         # Copies, taken now: the steps trained while the files are written change nothing.
-        files: dict[str, FileWriter] = {WEIGHTS: _safetensors_writer(self.parts.model)}
+        files: dict[str, FileWriter] = {WEIGHTS: _safetensors_writer(detached_copy(weights))}
         for name, obj in self.parts.stateful().items():
-            files[f"{name}.pt"] = _torch_writer(detached_copy(obj.state_dict()))
+            state = optimizer if name == "optimizer" else obj.state_dict()
+            files[f"{name}.pt"] = _torch_writer(detached_copy(state))
         for rank, part in enumerate(gathered):
             files[rng_file(rank)] = _torch_writer(detached_copy(part["rng"]))
         files[STATE] = _json_writer(state)  # last: its presence marks a complete set
@@ -244,7 +255,9 @@ def load_checkpoint(
     collective = layout.collective
     for name, obj in parts.stateful().items():
         path = checkpoint / f"{name}.pt"
-        if path.is_file():
+        if path.is_file() and name == "optimizer":
+            load_optimizer_state(obj, read_torch(path))
+        elif path.is_file():
             obj.load_state_dict(read_torch(path))
         else:
             collective.note(f"paratrain: note: {checkpoint} holds no {name} state")
@@ -274,9 +287,7 @@ def load_checkpoint(
     )
 
 
-def _safetensors_writer(model: nn.Module) -> FileWriter:
-    # One copy to the CPU (from the GPU, or of CPU tensors the model goes on changing).
-    tensors = plain_tensors(detached_copy(unwrap_model(model).state_dict()))
+def _safetensors_writer(tensors: dict[str, torch.Tensor]) -> FileWriter:
     return lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 

@@ -23,6 +23,11 @@ from paratrain.collective import Collective
 from paratrain.errors import UserError
 from paratrain.training_state.collect import gather_to_main
 from paratrain.training_state.rng import capture_rng, restore_rng
+from paratrain.training_state.sharded import (
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+)
 from paratrain.weights import plain_state_dict
 
 RESERVED = "__paratrain__"
@@ -43,9 +48,11 @@ def save_state(
         raise UserError(f"rt.save: the key {RESERVED!r} is reserved; rename that entry")
     for key, value in state.items():
         _check(key, value)
+    # Sharded (FSDP) models and optimizers are gathered whole by every process.
+    ready = {key: _gathered(collective, value) for key, value in state.items()}
     rngs = gather_to_main(collective, capture_rng(devices))
     if rngs is not None:
-        payload = {str(key): _saveable(value) for key, value in state.items()}
+        payload = {str(key): _saveable(value) for key, value in ready.items()}
         payload[RESERVED] = {"format": 1, "world_size": collective.world_size, "rng": rngs}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(payload, tmp))
@@ -106,7 +113,24 @@ def _check(key: Any, value: Any) -> None:
     )
 
 
+class _Gathered:
+    """A state already made plain and full (None on the processes that do not write)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+
+def _gathered(collective: Collective, value: Any) -> Any:
+    if isinstance(value, nn.Module):
+        return _Gathered(model_state(collective, value))
+    if isinstance(value, torch.optim.Optimizer):
+        return _Gathered(optimizer_state(collective, value))
+    return value
+
+
 def _saveable(value: Any) -> Any:
+    if isinstance(value, _Gathered):
+        return value.state
     if isinstance(value, nn.Module):
         return plain_state_dict(value)
     if isinstance(value, torch.Tensor):
@@ -125,6 +149,8 @@ def _saveable(value: Any) -> Any:
 def _load_into(key: str, target: Any, saved: Any) -> None:
     if isinstance(target, nn.Module):
         load_weights(target, saved)
+    elif isinstance(target, torch.optim.Optimizer):
+        load_optimizer_state(target, saved)
     elif isinstance(target, torch.Tensor):
         with torch.no_grad():
             target.copy_(saved)

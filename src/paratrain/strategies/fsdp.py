@@ -1,0 +1,118 @@
+"""Fully sharded data parallel (PyTorch's FSDP2, ``fully_shard``): one process per device,
+and each holds only its shard of the parameters, gradients and optimizer state.
+
+Process setup, launching (spawn, torchrun, ``paratrain run``), collectives and teardown are
+ddp's; only the model wrapping differs. Each block (see :mod:`.blocks`) becomes one FSDP
+unit, then the root. Gradients are reduce-scattered and averaged over the processes like
+ddp's all-reduce, so the loss weights of uneven last batches are the same.
+
+Mixed precision: under ``bf16``/``fp16`` the parameters are gathered in that dtype
+(``MixedPrecisionPolicy``) and gradients reduced in float32; the sharded parameters and the
+optimizer stay float32. paratrain's autocast still wraps the forward, so the operations it
+keeps in float32 (softmax, norms, losses) stay there; the weights are already in the low
+dtype, so autocast makes no second copy of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from paratrain.dtensors import shard_like
+from paratrain.errors import UserError
+from paratrain.strategies.base import StrategyOptions
+from paratrain.strategies.blocks import choose_blocks, has_parameters
+from paratrain.strategies.ddp import DDPStrategy
+from paratrain.strategies.registry import register
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@register
+class FSDPStrategy(DDPStrategy):
+    name = "fsdp"
+    syncs_batchnorm = False
+    checks_model = True
+    collective_forward = True
+    description = (
+        "FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over one "
+        "process per device (nccl on CUDA, gloo on CPU)"
+    )
+
+    def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
+        super().__init__(devices, options)
+        if self.options.precision == "fp16" and self.root_device.type == "cuda":
+            # GradScaler skips a step on overflow per process; shards would then disagree.
+            raise UserError(
+                "--strategy fsdp with --precision fp16 on CUDA needs a sharded GradScaler, "
+                "which paratrain does not have yet; use --precision bf16"
+            )
+        #: id of each parameter before sharding -> the sharded parameter replacing it
+        self._replaced: dict[int, nn.Parameter] = {}
+
+    def check_model(self, model: nn.Module) -> None:
+        if not has_parameters(model):
+            raise UserError(
+                f"--strategy fsdp shards parameters, and {type(model).__name__} has none; "
+                "use --strategy ddp or cpu"
+            )
+        choose_blocks(model, self.options.fsdp_blocks)  # unknown --fsdp-blocks names
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        dtype = _DTYPES.get(self.options.precision)
+        if dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        self.check_model(model)
+        before = {name: param for name, param in model.named_parameters()}
+        mesh = init_device_mesh(self.root_device.type, (self.collective.world_size,))
+        policy = self.mp_policy()
+        for block in choose_blocks(model, self.options.fsdp_blocks):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        after = dict(model.named_parameters())
+        self._replaced = {id(param): after[name] for name, param in before.items()}
+        return model
+
+    def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` (built from the unsharded parameters) at the sharded ones,
+        with its state, if any, cut to this process's shard."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
+        for old in list(optimizer.state):
+            new = self._replaced.get(id(old))
+            if new is not None and new is not old:
+                entry = optimizer.state.pop(old)
+                optimizer.state[new] = {
+                    key: shard_like(value, new)
+                    if isinstance(value, torch.Tensor) and value.shape == new.shape
+                    else value
+                    for key, value in entry.items()
+                }
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        if isinstance(model, FSDPModule):
+            return _without_gradient_sync(model)
+        return contextlib.nullcontext()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "fsdp_blocks": list(self.options.fsdp_blocks)}
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: FSDPModule) -> Iterator[None]:
+    """FSDP's ``no_sync``: gradients stay unsharded and summed locally until a micro-batch
+    runs with synchronization again."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,71 @@
+"""Full states of models and optimizers whose tensors may be sharded (FSDP).
+
+A checkpoint always holds plain full tensors, whatever the layout, so that any layout can
+load it. Gathering sharded tensors is a collective: every process calls these functions;
+the main process gets the state, the others None. Without sharded tensors only the main
+process copies anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from paratrain.atomic import atomic_write
+from paratrain.collective import Collective
+from paratrain.dtensors import full, is_sharded, shard_like
+from paratrain.weights import plain_state_dict, unwrap_model
+
+
+def model_is_sharded(model: nn.Module) -> bool:
+    return any(is_sharded(t) for t in unwrap_model(model).state_dict().values())
+
+
+def model_state(collective: Collective, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's plain full weights on the main process (None on the others)."""
+    if model_is_sharded(model):
+        state = plain_state_dict(model)  # every process takes part in the gathers
+        return state if collective.is_main else None
+    return plain_state_dict(model) if collective.is_main else None
+
+
+def optimizer_state(collective: Collective, optimizer: Any) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` with full tensors on the main process (None elsewhere):
+    the same file a one-process run writes."""
+    state = optimizer.state_dict()
+    per_param = state["state"].values()
+    if not any(is_sharded(v) for entry in per_param for v in entry.values()):
+        return state if collective.is_main else None
+    gathered = {
+        index: {
+            key: full(value).cpu() if is_sharded(value) else value for key, value in entry.items()
+        }
+        for index, entry in state["state"].items()
+    }
+    return {**state, "state": gathered} if collective.is_main else None
+
+
+def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``; state of sharded parameters becomes this
+    process's shard of it."""
+    optimizer.load_state_dict(state)
+    for param, entry in optimizer.state.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                entry[key] = shard_like(value, param)
+
+
+def save_model_weights(
+    collective: Collective, model: nn.Module, path: str | os.PathLike[str]
+) -> None:
+    """``model``'s full plain weights to ``path`` (safetensors), written atomically by the
+    main process. Every process calls it; all return once the file is complete."""
+    state = model_state(collective, model)
+    if state is not None:
+        atomic_write(Path(path), lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    collective.barrier()

@@ -1,0 +1,199 @@
+"""fsdp: FSDP2 over real gloo processes on the CPU.
+
+The weights after 50 digits steps match one process (tests/test_equivalence.py); here:
+which blocks are sharded, what each process holds, full-weight checkpoints that load into
+any layout, exact resume, and bad input refused before any process starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CLI, subprocess_env
+from safetensors.torch import load_file
+from torch import nn
+
+import paratrain
+from paratrain import recipes
+from paratrain.bench.combos import enumerate_combos
+from paratrain.bench.recommend import Candidate, recommend
+from paratrain.config import TrainConfig
+from paratrain.dtensors import local_bytes
+from paratrain.errors import UserError
+from paratrain.models import GPT, DigitsCNN, TransformerBlock, resnet18
+from paratrain.strategies.blocks import choose_blocks
+
+WIDTH, DEPTH = 64, 4
+
+
+def test_default_blocks_are_the_repeated_layers() -> None:
+    gpt = GPT(width=32, depth=3)
+    assert {id(b) for b in choose_blocks(gpt)} == {id(b) for b in gpt.blocks}
+    digits = DigitsCNN()
+    assert {id(b) for b in choose_blocks(digits)} == {id(digits.features), id(digits.classifier)}
+    resnet = resnet18(num_classes=10)
+    layers = [resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4]
+    assert {id(b) for b in choose_blocks(resnet)} == {id(layer) for layer in layers}
+    assert choose_blocks(nn.Linear(3, 2)) == []  # one unit: the root
+
+
+def test_named_blocks_by_class_or_module_name() -> None:
+    gpt = GPT(width=32, depth=2)
+    assert {id(b) for b in choose_blocks(gpt, ["TransformerBlock"])} == {id(b) for b in gpt.blocks}
+    # nested blocks come before the block holding them
+    chosen = choose_blocks(gpt, ["blocks.0", "blocks.0.mlp"])
+    assert chosen == [gpt.blocks[0].mlp, gpt.blocks[0]]
+    with pytest.raises(UserError, match="--fsdp-blocks Nope: no module of GPT"):
+        choose_blocks(gpt, ["TransformerBlock", "Nope"])
+
+
+def test_model_without_parameters_is_refused_before_any_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    empty = recipes.Recipe(
+        name="empty",
+        description="test only",
+        epochs=1,
+        batch_size=4,
+        lr=0.1,
+        build_model=lambda cfg: nn.Sequential(nn.ReLU()),
+        build_data=lambda cfg: (torch.zeros(4), torch.zeros(4)),  # type: ignore[arg-type,return-value]
+        build_optimizer=lambda params, cfg: torch.optim.SGD(params, lr=0.1),
+        build_loss=nn.MSELoss,
+    )
+    monkeypatch.setitem(recipes._RECIPES, "empty", empty)
+    cfg = TrainConfig(recipe="empty", strategy="fsdp", devices="cpu,cpu")
+    with pytest.raises(UserError, match="shards parameters, and Sequential has none"):
+        cfg.resolved(recipes.get_recipe)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--fsdp-blocks", "Nope"), "--fsdp-blocks Nope: no module of DigitsCNN"),
+        (("--devices", "cpu,meta"), "--strategy fsdp needs CUDA devices or CPU processes"),
+        (("--devices", "cpu,cpu", "--batch-size", "1"), "--batch-size 1 is smaller"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    paratrain_cli: CLI, options: tuple[str, ...], message: str
+) -> None:
+    args = ("train", "--strategy", "fsdp", "--devices", "cpu,cpu", "--no-progress", *options)
+    result = paratrain_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(width=WIDTH, depth=DEPTH)
+
+
+def _fsdp_in_each_process(rt: paratrain.Runtime, folder: str) -> list[float]:
+    plain = _gpt()
+    model = _gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    tokens = torch.randint(64, (4, 32), generator=torch.Generator().manual_seed(rt.rank))
+    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    rt.backward(loss)
+    optimizer.step()  # momentum buffers now exist
+    params = list(model.parameters())
+    held = sum(local_bytes(p) for p in params)  # parameters
+    held += sum(local_bytes(p.grad) for p in params if p.grad is not None)  # gradients
+    held += sum(local_bytes(s["momentum_buffer"]) for s in optimizer.state.values())
+    blocks = sum(isinstance(m, TransformerBlock) and hasattr(m, "unshard") for m in model.modules())
+
+    # rt.save holds full tensors; rt.load into a fresh sharded model restores them exactly
+    path = Path(folder) / "state.pt"
+    rt.save(path, {"model": model, "optimizer": optimizer})
+    fresh = _gpt()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh, fresh_opt = rt.setup(fresh, fresh_opt)
+    rt.load(path, {"model": fresh, "optimizer": fresh_opt})
+    same = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    same_momentum = all(
+        torch.equal(
+            optimizer.state[a]["momentum_buffer"].to_local(),
+            fresh_opt.state[b]["momentum_buffer"].to_local(),
+        )
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    # load_weights: plain full weights into a sharded model
+    paratrain.load_weights(fresh, plain.state_dict())
+    gathered = Path(folder) / "plain.safetensors"
+    rt.save_weights(fresh, gathered)
+    reloaded = load_file(str(gathered))
+    exact = all(torch.equal(reloaded[k], v) for k, v in plain.state_dict().items())
+    return [float(held), float(blocks), float(same), float(same_momentum), float(exact)]
+
+
+def test_each_process_holds_its_share_and_checkpoints_are_full(tmp_path: Path) -> None:
+    rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu")
+    result = rt.launch(_fsdp_in_each_process, str(tmp_path))
+    assert result is not None
+    held, blocks, same, same_momentum, exact = result
+    model = _gpt()
+    total = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # + grads + momentum
+    print(f"\nfsdp 2 processes: rank 0 holds {held:,.0f} of {total:,} bytes")
+    assert abs(held - total / 2) < 0.02 * total  # about M/N (shards are padded to equal rows)
+    assert blocks == DEPTH  # each TransformerBlock sharded as a unit
+    assert same == same_momentum == exact == 1.0
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert saved["model"].keys() == model.state_dict().keys()
+    assert saved["model"]["head.weight"].shape == (64, WIDTH)  # full tensors, not shards
+    momenta = [saved["optimizer"]["state"][i]["momentum_buffer"] for i in range(3)]
+    assert [m.shape for m in momenta] == [p.shape for p in list(model.parameters())[:3]]
+
+
+def test_evaluation_with_an_empty_part_does_not_hang(paratrain_cli: CLI) -> None:
+    # 360 test samples in batches of 179: the last batch (2) leaves rank 2 without a sample,
+    # and fsdp's forward is a collective every process must join.
+    args = ("train", "--strategy", "fsdp", "--devices", "cpu,cpu,cpu", "--batch-size", "179")
+    result = paratrain_cli(
+        *args,
+        "--max-steps",
+        "1",
+        "--no-progress",
+        "--out",
+        "run",
+        env=subprocess_env(PARATRAIN_COLLECTIVE_TIMEOUT="60"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "test accuracy" in result.stdout
+
+
+def test_fsdp_run_stopped_and_resumed_is_bit_identical(paratrain_cli: CLI, tmp_path: Path) -> None:
+    common = ("train", "--recipe", "digits", "--strategy", "fsdp", "--devices", "cpu,cpu")
+    common += ("--no-progress", "--accumulate", "2", "--save-every", "3")
+    assert paratrain_cli(*common, "--max-steps", "12", "--out", "ref").returncode == 0
+    assert paratrain_cli(*common, "--max-steps", "7", "--out", "run").returncode == 0
+    resumed = paratrain_cli("train", "--resume", "run", "--max-steps", "12", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    run = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)
+    # the checkpoint is plain: one process reads it like any other
+    inspect = paratrain_cli("ckpt", "inspect", "run/checkpoints/step-000012")
+    assert inspect.returncode == 0 and "fsdp" in inspect.stdout
+    digits = DigitsCNN()
+    paratrain.load_weights(digits, tmp_path / "run" / "checkpoints" / "step-000012")
+    optimizer = torch.optim.SGD(digits.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(
+        torch.load(tmp_path / "run/checkpoints/step-000012/optimizer.pt", weights_only=True)
+    )
+
+
+def test_bench_measures_fsdp_and_says_when_it_is_the_only_fit() -> None:
+    combos = enumerate_combos(None, ["32"], [8], "cpu,cpu")
+    fsdp = [c for c in combos if c.strategy == "fsdp"]
+    assert [(c.processes, c.skip_reason) for c in fsdp] == [(2, None)]
+    ran = Candidate("fsdpx2 32 b64", "ok", [100.0, 101.0, 102.0])
+    message = recommend([Candidate("cuda 32 b64", "oom"), ran]).message
+    assert "the only layout that fits in memory (cuda 32 b64: out of memory)" in message
+    assert "only combination that ran" in recommend([ran]).message
