@@ -215,8 +215,8 @@ class Checkpointer:
         # Copies, taken now: the steps trained while the files are written change nothing.
         files: dict[str, FileWriter] = {WEIGHTS: _safetensors_writer(detached_copy(weights))}
         for name, obj in self.parts.stateful().items():
-            state = optimizer if name == "optimizer" else obj.state_dict()
-            files[f"{name}.pt"] = _torch_writer(detached_copy(state))
+            part = optimizer if name == "optimizer" else obj.state_dict()
+            files[f"{name}.pt"] = _torch_writer(detached_copy(part))
         for rank, part in enumerate(gathered):
             files[rng_file(rank)] = _torch_writer(detached_copy(part["rng"]))
         files[STATE] = _json_writer(state)  # last: its presence marks a complete set
