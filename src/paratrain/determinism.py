@@ -9,9 +9,11 @@ same weights, bit for bit. On the CPU the defaults are already deterministic.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,6 +22,7 @@ from paratrain.errors import UserError
 #: cuBLAS needs a fixed workspace to be deterministic; read when cuBLAS starts
 CUBLAS_WORKSPACE_VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_WORKSPACE = ":4096:8"
+T = TypeVar("T")
 _NOT_DETERMINISTIC = re.compile(r"^(?P<op>.+?) does not have a deterministic implementation")
 
 
@@ -90,3 +93,20 @@ def nondeterministic_operation(exc: BaseException) -> DeterminismError | None:
         "(--deterministic, Runtime(deterministic=True)) needs; run without it, or replace "
         "that operation in the model or loss"
     )
+
+
+def naming_nondeterministic(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, with PyTorch's refusal of an operation that has no deterministic
+    implementation turned into a one-line :class:`DeterminismError` naming it."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            error = nondeterministic_operation(exc)
+            if error is None:
+                raise
+            raise error from None
+
+    return call

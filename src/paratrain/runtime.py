@@ -28,13 +28,13 @@ from paratrain import faults, heartbeat
 from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
-from paratrain.determinism import make_deterministic, nondeterministic_operation, numerics_settings
+from paratrain.determinism import make_deterministic, naming_nondeterministic, numerics_settings
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch
 from paratrain.loaders import DeviceLoader
 from paratrain.nonfinite import NonFiniteCheck
 from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
-from paratrain.placement import check_inputs_on, move_to_device
+from paratrain.placement import guard_forward, move_to_device
 from paratrain.precision import Precision, normalize_precision
 from paratrain.seeding import seed_everything
 from paratrain.speed import Speed, SpeedOptions
@@ -229,17 +229,18 @@ class Runtime:
         if optimizer is not None:
             self.strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
         wrapped = self.speed.wrap_model(wrapped)
-        wrapped = self._guard_forward(wrapped)
+        if len(self.strategy.devices) == 1:  # DataParallel scatters inputs itself
+            wrapped = guard_forward(wrapped, self.device)
         wrapped = self.precision.wrap_forward(wrapped)
         if self.config.deterministic:
-            wrapped.forward = self._naming_nondeterministic(wrapped.forward)
+            wrapped.forward = naming_nondeterministic(wrapped.forward)
         result: list[Any] = [wrapped]
         if optimizer is not None:
             result.append(self._setup_optimizer(model, optimizer))
         if loss_fn is not None:
             loss_fn = self.strategy.wrap_loss(loss_fn)
             result.append(
-                self._naming_nondeterministic(loss_fn) if self.config.deterministic else loss_fn
+                naming_nondeterministic(loss_fn) if self.config.deterministic else loss_fn
             )
         return result[0] if len(result) == 1 else tuple(result)
 
@@ -258,42 +259,6 @@ class Runtime:
         if self.precision.scaler is None and self.accumulate_steps == 1:
             return optimizer
         return RuntimeOptimizer(optimizer, self.precision, self.accumulation)  # type: ignore[return-value]
-
-    def _guard_forward(self, model: nn.Module) -> nn.Module:
-        """Turn PyTorch's device-mismatch error into one that says what to do."""
-        if len(self.strategy.devices) != 1:
-            return model  # DataParallel scatters inputs from any device itself
-        forward = model.forward
-        device = self.device
-
-        @functools.wraps(forward)
-        def guarded_forward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return forward(*args, **kwargs)
-            except RuntimeError as exc:
-                if "device" in str(exc):
-                    check_inputs_on(device, args, kwargs)
-                raise
-
-        model.forward = guarded_forward
-        return model
-
-    @staticmethod
-    def _naming_nondeterministic(fn: Callable[..., T]) -> Callable[..., T]:
-        """PyTorch's error for an operation without a deterministic implementation, as a
-        one-line error that names it."""
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> T:
-            try:
-                return fn(*args, **kwargs)
-            except RuntimeError as exc:
-                error = nondeterministic_operation(exc)
-                if error is None:
-                    raise
-                raise error from None
-
-        return call
 
     def setup_loader(
         self,
@@ -347,7 +312,7 @@ class Runtime:
                 scale = accumulation.loss_weight / accumulation.steps
                 backward = self.precision.backward
                 if self.config.deterministic:
-                    backward = self._naming_nondeterministic(backward)
+                    backward = naming_nondeterministic(backward)
                 backward(loss * scale if scale != 1.0 else loss)
         accumulation.micro_batch_done()  # a skipped micro-batch too: on every rank alike
 
