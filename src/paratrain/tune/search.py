@@ -73,10 +73,13 @@ def recipe_search(
     with ray_running(address):
         tuner = restore_tuner(trainable, plan, out) if resume else build_tuner(trainable, plan, out)
         grid = tuner.fit()
-    interrupted = grid.num_terminated + grid.num_errors < len(grid)
     outcomes = sorted(
         (outcome_of(r, job.run_dir(Path(r.path).name), settings.metric, r.config) for r in grid),
         key=lambda o: o.trial_id,
+    )
+    # Stopped by Ctrl+C: a trial left in the middle, or trials never started.
+    interrupted = len(outcomes) < settings.total_trials() or any(
+        o.status == "unfinished" for o in outcomes
     )
     best = pick_best(outcomes, settings.mode)
     if best is not None:

@@ -73,6 +73,14 @@ class TuneSettings:
     def dimensions(self) -> list[Dimension]:
         return parse_space(self.space, TUNABLE)
 
+    def total_trials(self) -> int:
+        """``trials`` samples, each of them every combination of the grids."""
+        total = self.trials
+        for dimension in self.dimensions():
+            if dimension.is_grid:
+                total *= len(dimension.args)
+        return total
+
     @property
     def epochs(self) -> int:
         assert self.base.epochs is not None
