@@ -57,7 +57,7 @@ class TrialOutcome:
             "last": _finite(self.last),
             "best": _finite(self.best(mode)),
             "history": [_finite(v) for v in self.history],
-            "directory": str(self.directory.relative_to(out)),
+            "directory": str(self.directory.resolve().relative_to(out.resolve())),
             "error": self.error,
         }
 
