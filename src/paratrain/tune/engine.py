@@ -159,6 +159,10 @@ def restore_tuner(trainable: Any, plan: SearchPlan, out: Path) -> Any:
     path = str((out / RAY_DIR).resolve())
     if not tune.Tuner.can_restore(path):
         raise UserError(f"--resume {out}: no Ray Tune experiment in {out / RAY_DIR}")
-    return tune.Tuner.restore(
+    tuner = tune.Tuner.restore(
         path, trainable=_with_resources(trainable, plan), resume_unfinished=True
     )
+    local = getattr(tuner, "_local_tuner", None)
+    if local is not None:  # this run's display (--no-progress), not the one stored with it
+        local.get_run_config().callbacks = plan.callbacks
+    return tuner
