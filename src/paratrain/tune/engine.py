@@ -104,9 +104,11 @@ def _search_algorithm(plan: SearchPlan) -> Any:
     """Seeded, so that the same search samples the same configurations; it also holds the
     concurrency limit (Ray ignores ``max_concurrent_trials`` for the random search)."""
     if plan.search == "optuna":
+        import optuna as optuna_package
         from ray.tune.search import ConcurrencyLimiter
         from ray.tune.search.optuna import OptunaSearch
 
+        optuna_package.logging.set_verbosity(optuna_package.logging.WARNING)  # one line a trial
         optuna = OptunaSearch(seed=plan.seed)
         if plan.max_concurrent is None:
             return optuna
