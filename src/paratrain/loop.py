@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,19 @@ def evaluate(
     return totals[0].item() / count, (totals[1].item() / count if classify else None)
 
 
-def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
+#: called on the main process after each epoch (see ``train``)
+EpochCallback = Callable[[dict[str, Any]], None]
+
+
+def train(
+    rt: Runtime, cfg: TrainConfig, directory: Path | None, on_epoch: EpochCallback | None = None
+) -> Summary:
     """Train ``cfg.recipe`` with ``rt``; the main process writes ``directory``'s files.
 
     Checkpoints go to ``directory/checkpoints``; ``cfg.resume_from`` continues from one.
+    ``on_epoch`` (``paratrain tune`` reports to Ray Tune with it) is called on the main
+    process after each epoch's evaluation and end-of-epoch checkpoint, with ``epoch``,
+    ``step``, ``train_loss``, ``eval_loss`` and ``eval_accuracy`` (None for regression).
     """
     recipe = get_recipe(cfg.recipe)
     assert cfg.epochs is not None and cfg.batch_size is not None
@@ -190,6 +200,8 @@ def train(rt: Runtime, cfg: TrainConfig, directory: Path | None) -> Summary:
                     saver.save(epoch + 1, 0, step)
             if timings is not None:
                 timings.write(clock.end_epoch(epoch, step))
+            if on_epoch is not None and rt.is_main:
+                on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
             if step >= total:
                 break
     with clock.measure("checkpoint"):

@@ -2,4 +2,14 @@
 parser and sets ``handler`` to a function ``(args) -> exit code``."""
 
 #: the subcommands, in the order `paratrain --help` lists them
-COMMAND_MODULES = ("train", "run", "info", "recipes", "ckpt", "bench", "doctor", "export")
+COMMAND_MODULES = (
+    "train",
+    "run",
+    "info",
+    "recipes",
+    "ckpt",
+    "bench",
+    "doctor",
+    "export",
+    "tune",
+)
