@@ -98,7 +98,7 @@ def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     # Ctrl+C after the first finished trial comes with trials left to run.
     args = [sys.executable, "-m", "paratrain", "tune", "--strategy", "cpu", "--epochs", "2"]
     args += ["--space", "lr=loguniform(0.01,0.1)", "--space", "batch_size=choice(32,64)"]
-    args += ["--search", "optuna", "--scheduler", "fifo", "--trials", "4", "--max-concurrent"]
+    args += ["--search", "optuna", "--scheduler", "fifo", "--trials", "3", "--max-concurrent"]
     args += ["1", "--no-progress", "--out", "search"]
     env = subprocess_env(PARATRAIN_TEST_STALL_SAVE="1")
     process = subprocess.Popen(
@@ -121,7 +121,7 @@ def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     report = _report(out)
     assert report["status"] == "interrupted"
     finished = {t["id"] for t in report["trials"] if t["status"] == "finished"}
-    assert finished and len(finished) < 4
+    assert finished and len(finished) < 3
     before = {i: (out / "trials" / i / "metrics.jsonl").read_bytes() for i in finished}
 
     resumed = subprocess.run(
@@ -135,7 +135,7 @@ def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = _report(out)
     assert report["status"] == "finished"
-    assert len(report["trials"]) == 4
+    assert len(report["trials"]) == 3
     assert all(t["status"] == "finished" and t["epochs"] == 2 for t in report["trials"])
     assert report["settings"]["search"] == "optuna"
     for trial in report["trials"]:  # each epoch once: continued, never trained twice
