@@ -200,8 +200,10 @@ def train(
                     saver.save(epoch + 1, 0, step)
             if timings is not None:
                 timings.write(clock.end_epoch(epoch, step))
-            if on_epoch is not None and rt.is_main:
-                on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
+            if on_epoch is not None:
+                saver.wait()  # the epoch's checkpoint is on disk before anyone reads it
+                if rt.is_main:
+                    on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
             if step >= total:
                 break
     with clock.measure("checkpoint"):
