@@ -17,11 +17,9 @@ from rich.console import Console
 from paratrain.bench.combos import parse_batch_sizes, parse_precision_list, parse_strategy_list
 from paratrain.bench.crossover import DEFAULT_SIZES
 from paratrain.bench.progress import BenchProgress
-from paratrain.bench.task import TaskSource
 from paratrain.commands.bench_loader import register_loader, run_loader
-from paratrain.config import DEFAULT_RECIPE
+from paratrain.commands.bench_source import add_source_arguments, source_from_args
 from paratrain.errors import UserError
-from paratrain.recipes import recipe_names
 
 
 def register(subparsers: Any) -> None:
@@ -34,15 +32,7 @@ def register(subparsers: Any) -> None:
             "peak memory per device, and recommend the fastest that fits."
         ),
     )
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--recipe", help=f"one of: {', '.join(recipe_names())} (default digits)")
-    what.add_argument(
-        "--script",
-        metavar="FILE.py:FACTORY",
-        help="your model: FACTORY() returns (model, loss_fn, sample_batch[, make_optimizer])",
-    )
-    p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
-    p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
+    add_source_arguments(p)
     p.add_argument("--strategies", help="comma list; default: every strategy available here")
     p.add_argument("--precisions", help="comma list of 32, bf16, fp16; default: native ones")
     p.add_argument("--batch-sizes", help="comma list of global batch sizes; default: recipe's")
@@ -62,19 +52,6 @@ def register(subparsers: Any) -> None:
     register_loader(micro)
 
 
-def _source(args: argparse.Namespace) -> TaskSource:
-    if args.script is not None:
-        if args.data_dir is not None or args.synthetic is not None:
-            raise UserError("--data-dir and --synthetic are for recipes, not --script")
-        return TaskSource(script=args.script, seed=args.seed)
-    return TaskSource(
-        recipe=args.recipe or DEFAULT_RECIPE,
-        data_dir=args.data_dir,
-        synthetic=args.synthetic,
-        seed=args.seed,
-    )
-
-
 def settings_from_args(args: argparse.Namespace) -> Any:
     from paratrain.bench.runner import BenchSettings
 
@@ -88,7 +65,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     if args.timeout <= 0:
         raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     return BenchSettings(
-        source=_source(args),
+        source=source_from_args(args),
         strategies=parse_strategy_list(args.strategies),
         precisions=parse_precision_list(args.precisions),
         batch_sizes=parse_batch_sizes(args.batch_sizes),

@@ -11,10 +11,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from paratrain.bench.task import TaskSource
-from paratrain.config import DEFAULT_RECIPE
+from paratrain.commands.bench_source import add_source_arguments, source_from_args
 from paratrain.errors import UserError
-from paratrain.recipes import recipe_names
 
 
 def register_loader(micro: Any) -> None:
@@ -22,15 +20,7 @@ def register_loader(micro: Any) -> None:
         "loader",
         help="DataLoader num_workers x pin_memory: batches/s of the loader and of training",
     )
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--recipe", help=f"one of: {', '.join(recipe_names())} (default digits)")
-    what.add_argument(
-        "--script",
-        metavar="FILE.py:FACTORY",
-        help="your model: FACTORY() returns (model, loss_fn, sample_batch[, make_optimizer])",
-    )
-    p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
-    p.add_argument("--synthetic", type=int, metavar="N", help="N random CIFAR-shaped images")
+    add_source_arguments(p)
     p.add_argument("--batch-size", type=int, help="default: the recipe's (32 for a script)")
     p.add_argument("--device", help="where training steps run (default cuda:0 if any, else cpu)")
     p.add_argument("--batches", type=int, default=30, help="timed batches per window (30)")
@@ -68,13 +58,7 @@ def run_loader(args: argparse.Namespace) -> int:
     ):
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
-    if args.script is not None and (args.data_dir is not None or args.synthetic is not None):
-        raise UserError("--data-dir and --synthetic are for recipes, not --script")
-    if args.script is not None:
-        source = TaskSource(script=args.script, seed=args.seed)
-    else:
-        recipe = args.recipe or DEFAULT_RECIPE
-        source = TaskSource(recipe, None, args.data_dir, args.synthetic, args.seed)
+    source = source_from_args(args)
     device = _device(args.device)
     torch.manual_seed(args.seed)
     task = load_task(source, args.batch_size)
