@@ -12,7 +12,7 @@ from paratrain.bench.loader import LoaderRow, LoaderSetting, recommend, worker_c
 from paratrain.bench.stats import Spread
 from paratrain.cli import main
 
-SCRIPT = '''
+SCRIPT = """
 import torch
 from torch import nn
 
@@ -23,7 +23,7 @@ def sample_batch(n):
 
 def factory():
     return nn.Linear(8, 3), nn.CrossEntropyLoss(), sample_batch
-'''
+"""
 
 
 def _s(median: float, width: float = 0.0) -> Spread:

@@ -1,9 +1,9 @@
 """The promise: the same seed and global batch give the same weights on every layout.
 
 `paratrain train` runs the digits recipe in fp32 for 50 optimizer steps (into a second
-epoch, through an uneven last batch) on one CPU process, ddp and fsdp with 2 and with 3
-gloo processes, and the balanced DataParallel on ``cpu,cpu``; the saved weights must agree
-within 1e-5.
+epoch, through an uneven last batch) on one CPU process, ddp, fsdp and pipeline (1F1B and
+GPipe) with 2 and with 3 gloo processes, and the balanced DataParallel on ``cpu,cpu``; the
+saved weights must agree within 1e-5.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ LAYOUTS = [
     ("ddp", "cpu,cpu,cpu"),
     ("fsdp", "cpu,cpu"),
     ("fsdp", "cpu,cpu,cpu"),
+    ("pipeline", "cpu,cpu"),
+    ("pipeline --pipeline-schedule gpipe", "cpu,cpu,cpu"),
     pytest.param(
         "dp-balanced",
         "cpu,cpu",
@@ -38,7 +40,15 @@ LAYOUTS = [
 def train(out: Path, strategy: str, devices: str | None) -> tuple[dict[str, torch.Tensor], str]:
     """Weights and stdout of ``paratrain train`` (digits, 50 steps, default seed)."""
     args = [sys.executable, "-m", "paratrain", "train", "--recipe", "digits"]
-    args += ["--strategy", strategy, "--max-steps", "50", "--no-progress", "--out", str(out)]
+    args += [
+        "--strategy",
+        *strategy.split(),
+        "--max-steps",
+        "50",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     if devices is not None:
         args += ["--devices", devices]
     result = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=240)

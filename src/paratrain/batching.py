@@ -21,9 +21,7 @@ BATCH_SIZE_PER = ("global", "process")
 def check_batch_size_per(value: str) -> str:
     """``value`` if it is one of :data:`BATCH_SIZE_PER`, else ``UserError``."""
     if value not in BATCH_SIZE_PER:
-        raise UserError(
-            f"batch_size_per must be one of {', '.join(BATCH_SIZE_PER)}, got {value!r}"
-        )
+        raise UserError(f"batch_size_per must be one of {', '.join(BATCH_SIZE_PER)}, got {value!r}")
     return value
 
 

@@ -87,6 +87,12 @@ class TrainConfig:
     channels_last: bool | None = None
     #: fsdp: comma-separated class or module names of the blocks sharded as one unit each
     fsdp_blocks: str | None = None
+    #: pipeline: comma-separated names of the modules that start stages 2, 3, ...
+    pipeline_split: str | None = None
+    #: pipeline: "1f1b" or "gpipe"
+    pipeline_schedule: str = "1f1b"
+    #: pipeline: micro-batches per batch
+    pipeline_microbatches: int = 4
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -143,17 +149,28 @@ class TrainConfig:
             deterministic=self.deterministic,
             speed=self.speed_options(),
             batch_size_per=self.batch_size_per,
-            options=StrategyOptions(normalize_precision(self.precision), self.block_names()),
+            options=StrategyOptions(
+                normalize_precision(self.precision),
+                self.block_names(),
+                _names(self.pipeline_split),
+                self.pipeline_schedule,
+                self.pipeline_microbatches,
+            ),
         )
 
     def speed_options(self) -> SpeedOptions:
         return SpeedOptions.of(self.compile, self.channels_last)
 
     def block_names(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in (self.fsdp_blocks or "").split(",") if n.strip())
+        return _names(self.fsdp_blocks)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _names(listed: str | None) -> tuple[str, ...]:
+    """``"a, b"`` -> ``("a", "b")``."""
+    return tuple(n.strip() for n in (listed or "").split(",") if n.strip())
 
 
 def _positive(flag: str, value: int | None) -> None:

@@ -151,8 +151,7 @@ def train(
                 count = at.samples
             for x, y in train_loader if step < total else ():
                 with rt.accumulate(model):
-                    loss = loss_fn(model(x), y)
-                    rt.backward(loss)
+                    loss = rt.forward_backward(model, loss_fn, x, y)
                 applied = rt.sync_gradients
                 optimizer.step()
                 optimizer.zero_grad()
@@ -161,7 +160,7 @@ def train(
                 if not rt.step_skipped:  # --skip-nonfinite: no NaN in the epoch's mean
                     loss_sum += loss.detach().double() * len(y)
                     count += len(y)
-                samples += len(y) * rt.world_size
+                samples += len(y) * rt.strategy.data_shards
                 batch += 1
                 step += applied
                 clock.batch_done(samples)

@@ -100,13 +100,19 @@ class Runtime:
         fused_optimizer: bool | None = None,
         batch_size_per: str = "global",
         fsdp_blocks: Sequence[str] = (),
+        pipeline_split: Sequence[str] = (),
+        pipeline_schedule: str = "1f1b",
+        pipeline_microbatches: int = 4,
     ) -> None:
         """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
         ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
         (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.speed`; ``fsdp_blocks``: class
         names (``"TransformerBlock"``) or module names of the blocks ``strategy="fsdp"``
-        shards as one unit each (default: the model's repeated layers)."""
+        shards as one unit each (default: the model's repeated layers); ``pipeline_split``
+        (the modules that start stages 2, 3, ...; default: balanced by parameter count),
+        ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
+        :mod:`paratrain.strategies.pipeline`."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -125,7 +131,13 @@ class Runtime:
             deterministic,
             speed,
             batch_size_per,
-            StrategyOptions(normalize_precision(precision), tuple(fsdp_blocks)),
+            StrategyOptions(
+                normalize_precision(precision),
+                tuple(fsdp_blocks),
+                tuple(pipeline_split),
+                pipeline_schedule,
+                pipeline_microbatches,
+            ),
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
@@ -153,6 +165,9 @@ class Runtime:
             config.speed.fused_optimizer,
             config.batch_size_per,
             config.options.fsdp_blocks,
+            config.options.pipeline_split,
+            config.options.pipeline_schedule,
+            config.options.pipeline_microbatches,
         )
 
     @property
@@ -223,7 +238,7 @@ class Runtime:
             )
         if self.config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model.to(self.device)
+        self.strategy.place_model(model)  # pipeline: only this process's stage, in wrap_model
         self.speed.prepare_model(model)
         wrapped = self.strategy.wrap_model(model)
         if optimizer is not None:
@@ -249,7 +264,8 @@ class Runtime:
     ) -> torch.optim.Optimizer:
         model_params = {id(p) for p in model.parameters()}
         for group in optimizer.param_groups:
-            if any(id(p) not in model_params for p in group["params"]):
+            # pipeline: other stages' parameters are meta placeholders (rebind_optimizer)
+            if any(id(p) not in model_params and not p.is_meta for p in group["params"]):
                 raise UserError(
                     "the optimizer holds parameters that are not the model's; build it from "
                     "model.parameters() of the model you pass to rt.setup"
@@ -284,7 +300,7 @@ class Runtime:
         return setup_data_path(
             loader,
             device=self.device,
-            rank=self.rank,
+            rank=self.strategy.data_rank,
             world_size=shards,
             seed=self.seed,
             evaluation=evaluation,
@@ -299,8 +315,39 @@ class Runtime:
         return move_to_device(obj, self.device)  # type: ignore[no-any-return,unused-ignore]
 
     # -- the step ----------------------------------------------------------------------------
+    def forward_backward(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        inputs: Any,
+        target: Any,
+    ) -> torch.Tensor:
+        """``loss = loss_fn(model(inputs), target)`` and ``rt.backward(loss)`` in one call,
+        which every strategy runs, ``pipeline`` included (there forward and backward run
+        together, micro-batch by micro-batch). Returns the loss."""
+        if not self.strategy.trains_in_pipeline:
+            loss = loss_fn(model(inputs), target)
+            self.backward(loss)
+            return loss
+        accumulation = self.accumulation
+        ends_step = accumulation.next_is_last()
+        scale = accumulation.loss_weight / accumulation.steps
+        with heartbeat.waiting():
+            loss = self.strategy.train_step(model, inputs, target, loss_fn, scale)
+            loss = faults.at_step(self.rank, self.nonfinite.step + 1, loss)
+            # the gradients are there already: a skipped micro-batch's are dropped
+            if not self.nonfinite.admit(loss, self.strategy.collective, ends_step):
+                model.zero_grad(set_to_none=True)
+        accumulation.micro_batch_done()
+        return loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the precision policy, scaled for accumulation."""
+        if self.strategy.trains_in_pipeline:
+            raise UserError(
+                f"--strategy {self.strategy.name} runs forward and backward together: use "
+                "loss = rt.forward_backward(model, loss_fn, x, y) instead of rt.backward(loss)"
+            )
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
         accumulation = self.accumulation

@@ -18,7 +18,8 @@ def load_weights(model: nn.Module, source: Source | Checkpoint, strict: bool = T
     ``source``: a ``.safetensors`` or ``torch.save`` file (a state dict, or a dict holding one
     under ``state_dict``/``model``), a paratrain run or checkpoint directory, a dict, or a
     module. ``model``: bare, ``nn.DataParallel``, DDP, FSDP (``fully_shard``: every process
-    loads its own shards, no communication) or ``torch.compile``-d. Wrapper prefixes
+    loads its own shards, no communication), a pipeline stage (it loads its part) or
+    ``torch.compile``-d. Wrapper prefixes
     (``module.``, ``_orig_mod.``) are matched in any order; a prefix the checkpoint's keys
     share (Lightning's ``model.``) is removed when that makes them match, with a hint.
 
@@ -33,6 +34,8 @@ def load_weights(model: nn.Module, source: Source | Checkpoint, strict: bool = T
     if strict and not report.ok:
         raise WeightsMismatchError(report)
     current = target.state_dict()
+    # A pipeline stage is matched as the whole model, then takes its own part.
+    state = {key: value for key, value in state.items() if key in current}
     # A sharded (FSDP) model takes this process's part of each full tensor.
     state = {key: shard_like(value, current[key]) for key, value in state.items()}
     with torch.no_grad():
@@ -44,7 +47,11 @@ def match_weights(
     target: nn.Module, checkpoint: Checkpoint
 ) -> tuple[LoadReport, dict[str, torch.Tensor]]:
     """Pair the checkpoint's tensors with ``target``'s keys; nothing is loaded here."""
-    model_shapes = {k: tuple(v.shape) for k, v in target.state_dict().items()}
+    whole = getattr(target, "full_state_shapes", None)  # a pipeline stage: the whole model's
+    if callable(whole):
+        model_shapes = dict(whole())
+    else:
+        model_shapes = {k: tuple(v.shape) for k, v in target.state_dict().items()}
     ckpt_shapes = {k: tuple(v.shape) for k, v in checkpoint.tensors.items()}
     src, dst = canonical_maps(ckpt_shapes, model_shapes)
     src_shapes = {c: ckpt_shapes[k] for c, k in src.items()}

@@ -85,6 +85,24 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="fsdp: class or module names (comma-separated) sharded as one unit each; "
         "default: the model's repeated layers",
     )
+    p.add_argument(
+        "--pipeline-split",
+        metavar="NAMES",
+        help="pipeline: the modules (comma-separated) that start stages 2, 3, ..., e.g. "
+        "blocks.2; default: the repeated layers, balanced by parameter count",
+    )
+    p.add_argument(
+        "--pipeline-schedule",
+        choices=("1f1b", "gpipe"),
+        help="pipeline: the schedule of the micro-batches (default 1f1b)",
+    )
+    p.add_argument(
+        "--pipeline-microbatches",
+        type=int,
+        metavar="N",
+        help="pipeline: micro-batches per batch (default 4; fewer where a batch does not "
+        "split evenly)",
+    )
 
 
 def register(subparsers: Any) -> None:

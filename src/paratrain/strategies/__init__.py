@@ -14,6 +14,7 @@ from paratrain.strategies import (  # noqa: F401  (registration)
     dp_balanced,
     fsdp,
     mps,
+    pipeline,
 )
 from paratrain.strategies.base import Collective, Strategy, StrategyOptions
 from paratrain.strategies.distributed import launched

@@ -29,6 +29,12 @@ class StrategyOptions:
     precision: str = "32"
     #: FSDP: class names or module names of the blocks sharded as one unit each
     fsdp_blocks: tuple[str, ...] = ()
+    #: pipeline: the modules that start stages 2, 3, ... (default: balanced by parameters)
+    pipeline_split: tuple[str, ...] = ()
+    #: pipeline: "1f1b" or "gpipe"
+    pipeline_schedule: str = "1f1b"
+    #: pipeline: micro-batches per batch (fewer where the batch does not split evenly)
+    pipeline_microbatches: int = 4
 
 
 class Strategy(ABC):
@@ -44,6 +50,8 @@ class Strategy(ABC):
     collective_forward: ClassVar[bool] = False
     #: ``check_model`` refuses some models: `paratrain train` builds the model to ask first.
     checks_model: ClassVar[bool] = False
+    #: forward and backward run together (``train_step``): ``rt.forward_backward`` only
+    trains_in_pipeline: ClassVar[bool] = False
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices
@@ -80,9 +88,18 @@ class Strategy(ABC):
         """Into how many parts the global batch is split across processes."""
         return self.collective.world_size
 
+    @property
+    def data_rank(self) -> int:
+        """This process's part of the global batch, from 0 to ``data_shards - 1``."""
+        return self.collective.rank
+
     def check_model(self, model: nn.Module) -> None:  # noqa: B027  (optional hook)
         """Raise ``UserError`` if this strategy cannot train ``model``; called before any
         process starts where the model is known (``paratrain train``), and by ``wrap_model``."""
+
+    def place_model(self, model: nn.Module) -> None:
+        """Move ``model`` to this process's device, before ``wrap_model``."""
+        model.to(self.root_device)
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -91,6 +108,18 @@ class Strategy(ABC):
     def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
         """Point an optimizer built before ``wrap_model`` at the parameters the model trains
         with now (FSDP replaces them by sharded ones). Nothing for most strategies."""
+
+    def train_step(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch together, for ``trains_in_pipeline``
+        strategies; returns the batch's mean loss on every process."""
+        raise NotImplementedError(f"{self.name} trains with model(x) and rt.backward")
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return loss_fn

@@ -1,0 +1,182 @@
+"""One process's stage of a model split into a pipeline (``--strategy pipeline``).
+
+Training runs the whole pipeline, forward and backward of every micro-batch, in one
+:meth:`PipelinedModel.train_step` (torch.distributed.pipelining's GPipe or 1F1B schedule):
+the first stage feeds the inputs, the last computes the loss. Forward-only calls
+(``model(x)`` under ``torch.no_grad()``, evaluation) pass activations stage to stage and
+give every process the last stage's output, so evaluation code runs unchanged.
+
+The stage's modules are this module's own children under the full model's names, so its
+``state_dict`` holds the model's names for the part it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from paratrain.errors import UserError
+
+SCHEDULES = ("1f1b", "gpipe")
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class PipelinedModel(nn.Module):
+    """Stage ``index`` of ``count``; its process's rank is its index."""
+
+    #: a part of the model: checkpoints gather the parts, ``load_weights`` loads its part
+    holds_part_of_model = True
+    #: the traced stage (its modules are registered as this module's own children)
+    stage: nn.Module
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        index: int,
+        count: int,
+        device: torch.device,
+        full_shapes: dict[str, tuple[int, ...]],
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, child in stage.named_children():
+            self.add_module(name, child)
+        for name, param in stage.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in stage.named_buffers(recurse=False):
+            self.register_buffer(name, buffer)
+        object.__setattr__(self, "stage", stage)  # not a child: its modules are ours already
+        self.index, self.count, self.device = index, count, device
+        self.schedule_name, self.microbatches = schedule, microbatches
+        self.autocast_dtype = autocast_dtype
+        self._full_shapes = full_shapes
+        self._schedules: dict[tuple[int, int], Any] = {}
+        self._loss_fn: LossFn | None = None
+        self._weight = 1.0
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def full_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The whole model's state dict shapes (this stage holds a part of them)."""
+        return dict(self._full_shapes)
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(
+        self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, scale: float = 1.0
+    ) -> torch.Tensor:
+        """Forward and backward of one batch through every stage, in micro-batches. Returns
+        the batch's mean loss (the last stage's) on every process. Gradients are those of
+        ``scale`` x the batch's mean loss, whatever the micro-batch sizes."""
+        rows = int(inputs.shape[0])
+        micro = _micro_batches(rows, self.microbatches)
+        schedule = self._schedule(rows, micro)
+        self._loss_fn, self._weight = loss_fn, scale / rows
+        losses: list[torch.Tensor] = []  # the micro-batches' weighted losses
+        with self._autocast():
+            if self.is_first:
+                schedule.step(inputs)
+            elif self.is_last:
+                schedule.step(target=target, losses=losses)
+            else:
+                schedule.step()
+        mine = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if self.is_last and scale:
+            mine += torch.stack(losses).detach().sum().float() / scale
+        dist.all_reduce(mine)  # the last stage's loss, on every process
+        return mine[0]
+
+    def _schedule(self, rows: int, micro: int) -> Any:
+        """One schedule per batch and micro-batch size: a stage learns the shapes it sends
+        and receives on its first step."""
+        key = (rows, micro)
+        if key not in self._schedules:
+            stage = PipelineStage(self.stage, self.index, self.count, self.device)
+            one_f_one_b = self.schedule_name == "1f1b" and micro >= self.count
+            kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            # scale_grads=False: the loss below is already weighted by micro-batch size
+            self._schedules[key] = kind(
+                stage, micro, loss_fn=self._weighted_loss, scale_grads=False
+            )
+        return self._schedules[key]
+
+    def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's mean loss weighted by its share of the batch: the micro-batches'
+        gradients add up to the batch mean's."""
+        assert self._loss_fn is not None
+        loss = self._loss_fn(output, target)
+        return loss * (int(target.shape[0]) * self._weight)
+
+    def _autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    # -- forward only ------------------------------------------------------------------------
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and self.training:
+            raise UserError(
+                "--strategy pipeline trains forward and backward together: use "
+                "loss = rt.forward_backward(model, loss_fn, x, y) instead of model(x) and "
+                "rt.backward(loss); under torch.no_grad() model(x) runs the pipeline forward"
+            )
+        with self._autocast():
+            values: Sequence[torch.Tensor] = (
+                inputs if self.is_first else _receive(self.index - 1, self.device)
+            )
+            output = self.stage(*values)
+        if not self.is_last:
+            _send(output if isinstance(output, tuple) else (output,), self.index + 1)
+            return _broadcast_output(None, self.count - 1, self.device)
+        return _broadcast_output(output, self.index, self.device)
+
+
+def _micro_batches(rows: int, wanted: int) -> int:
+    """The most micro-batches, at most ``wanted``, that split ``rows`` evenly: every
+    micro-batch of a step has one shape (the last, smaller batch of an epoch takes fewer)."""
+    return max(count for count in range(1, min(wanted, rows) + 1) if rows % count == 0)
+
+
+def _send(tensors: Sequence[torch.Tensor], dst: int) -> None:
+    meta = [(tuple(t.shape), t.dtype) for t in tensors]
+    dist.send_object_list([meta], dst=dst)
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst=dst)
+
+
+def _receive(src: int, device: torch.device) -> list[torch.Tensor]:
+    holder: list[Any] = [None]
+    dist.recv_object_list(holder, src=src)
+    received = []
+    for shape, dtype in holder[0]:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=src)
+        received.append(tensor)
+    return received
+
+
+def _broadcast_output(output: Any, src: int, device: torch.device) -> Any:
+    """The last stage's output (a tensor or a tuple of tensors) on every process."""
+    single = isinstance(output, torch.Tensor)
+    tensors = [t.contiguous() for t in ([output] if single else list(output or ()))]
+    holder: list[Any] = [[(tuple(t.shape), t.dtype) for t in tensors], single]
+    dist.broadcast_object_list(holder, src=src)
+    meta, single = holder
+    if output is None:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta]
+    for tensor in tensors:
+        dist.broadcast(tensor, src=src)
+    return tensors[0] if single else tuple(tensors)
