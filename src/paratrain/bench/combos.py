@@ -216,6 +216,9 @@ def not_by_default(
 
 
 def _precision_reason(precision: str, strategy: Strategy) -> str | None:
+    refused = strategy.precision_refused(precision)
+    if refused is not None:
+        return refused
     for device in strategy.devices:
         reason = precision_unavailable_reason(precision, device)
         if reason is not None:

@@ -103,11 +103,13 @@ def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
 
     def step() -> None:
         inputs, targets = next(batches)
-        outputs = model(inputs)
-        if not output_bytes:  # tensor sizes only: no synchronization
-            output_bytes.append(_output_bytes_on(outputs, rt.device))
-        loss = loss_fn(outputs, targets)
-        rt.backward(loss)
+        if rt.strategy.trains_in_pipeline:  # forward and backward run together
+            rt.forward_backward(model, loss_fn, inputs, targets)
+        else:
+            outputs = model(inputs)
+            if not output_bytes:  # tensor sizes only: no synchronization
+                output_bytes.append(_output_bytes_on(outputs, rt.device))
+            rt.backward(loss_fn(outputs, targets))
         optimizer.step()
         if not state_bytes:  # gradients and optimizer state exist only until zero_grad
             state_bytes.append(training_state_bytes(model, optimizer))

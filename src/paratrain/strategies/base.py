@@ -69,6 +69,10 @@ class Strategy(ABC):
         """Why this strategy cannot run on this machine, or None if it can."""
         return None
 
+    def precision_refused(self, precision: str) -> str | None:
+        """Why this strategy cannot train in ``precision`` here, or None."""
+        return None
+
     @property
     def num_processes(self) -> int:
         """How many processes a run of this strategy needs (the launcher starts them)."""

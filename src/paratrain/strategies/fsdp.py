@@ -47,14 +47,20 @@ class FSDPStrategy(DDPStrategy):
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)
-        if self.options.precision == "fp16" and self.root_device.type == "cuda":
+        refused = self.precision_refused(self.options.precision)
+        if refused is not None:
+            raise UserError(refused)
+        #: id of each parameter before sharding -> the sharded parameter replacing it
+        self._replaced: dict[int, nn.Parameter] = {}
+
+    def precision_refused(self, precision: str) -> str | None:
+        if precision == "fp16" and self.root_device.type == "cuda":
             # GradScaler skips a step on overflow per process; shards would then disagree.
-            raise UserError(
+            return (
                 "--strategy fsdp with --precision fp16 on CUDA needs a sharded GradScaler, "
                 "which paratrain does not have yet; use --precision bf16"
             )
-        #: id of each parameter before sharding -> the sharded parameter replacing it
-        self._replaced: dict[int, nn.Parameter] = {}
+        return None
 
     def check_model(self, model: nn.Module) -> None:
         if not has_parameters(model):

@@ -43,12 +43,9 @@ class PipelineStrategy(DDPStrategy):
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)
         options = self.options
-        if options.precision == "fp16":
-            # GradScaler skips a step on overflow per process; stages would then disagree.
-            raise UserError(
-                "--strategy pipeline with --precision fp16 needs a GradScaler shared by the "
-                "stages, which paratrain does not have yet; use --precision bf16 or 32"
-            )
+        refused = self.precision_refused(options.precision)
+        if refused is not None:
+            raise UserError(refused)
         if options.pipeline_schedule not in SCHEDULES:
             raise UserError(
                 f"--pipeline-schedule {options.pipeline_schedule!r}: use one of "
@@ -64,6 +61,15 @@ class PipelineStrategy(DDPStrategy):
                 "--devices 2 (GPUs, or CPU processes where there is no GPU) or cpu,cpu"
             )
         self._stage_parameters: list[nn.Parameter] = []
+
+    def precision_refused(self, precision: str) -> str | None:
+        if precision == "fp16":
+            # GradScaler skips a step on overflow per process; stages would then disagree.
+            return (
+                "--strategy pipeline with --precision fp16 needs a GradScaler shared by the "
+                "stages, which paratrain does not have yet; use --precision bf16 or 32"
+            )
+        return None
 
     @property
     def data_shards(self) -> int:

@@ -55,6 +55,13 @@ def _named_units(model: nn.Module, split_points: Sequence[str], num_stages: int)
             f"--pipeline-split {','.join(unknown)}: {type(model).__name__} has no such "
             "submodule; name the modules that start stages 2, 3, ... (e.g. blocks.2)"
         )
+    for outer in split_points:
+        inner = next((name for name in split_points if name.startswith(outer + ".")), None)
+        if inner is not None:
+            raise UserError(
+                f"--pipeline-split: {inner} lies inside {outer}; name split points that do "
+                "not hold one another"
+            )
     if len(split_points) != num_stages - 1:
         raise UserError(
             f"--pipeline-split names {len(split_points)} split point(s), which make "

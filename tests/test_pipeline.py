@@ -1,0 +1,219 @@
+"""pipeline: the model's layers split into stages over real gloo processes on the CPU.
+
+The weights after 50 digits steps match one process (tests/test_equivalence.py); here:
+where models are cut, what each process holds, full-weight checkpoints that load into any
+layout, evaluation on every process, exact resume, and bad input refused before any
+process starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CLI
+from safetensors.torch import load_file
+from torch import nn
+
+import paratrain
+from paratrain.bench.combos import enumerate_combos
+from paratrain.errors import UserError
+from paratrain.models import GPT, DigitsCNN
+from paratrain.strategies.pipeline_plan import plan_stages
+
+
+def _keys(stages: list[nn.Module]) -> list[list[str]]:
+    return [sorted({key.rsplit(".", 1)[0] for key in stage.state_dict()}) for stage in stages]
+
+
+def _chain(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    value: object = x
+    for stage in stages:
+        value = stage(*value) if isinstance(value, tuple) else stage(value)
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def test_default_split_balances_the_layers_and_keeps_the_names() -> None:
+    digits = DigitsCNN()
+    two = plan_stages(digits, 2)
+    assert _keys(two) == [["features.0", "features.2"], ["classifier.1", "classifier.3"]]
+    # three stages open the Sequential holding the most parameters
+    three = plan_stages(digits, 3)
+    assert _keys(three)[1:] == [["classifier.1"], ["classifier.3"]]
+    x = torch.randn(5, 1, 8, 8)
+    assert torch.equal(_chain(three, x), digits(x))
+    gpt = GPT(width=32, depth=4)
+    stages = plan_stages(gpt, 2)
+    assert "position" in stages[0].state_dict() and "head.weight" in stages[1].state_dict()
+    assert {k.split(".")[1] for k in stages[1].state_dict() if k.startswith("blocks.")} == {
+        "2",
+        "3",
+    }
+    tokens = torch.randint(64, (3, 16))
+    assert torch.equal(_chain(stages, tokens), gpt(tokens))
+    # the stages hold the model's own parameters: nothing is copied
+    mine = {id(p) for p in gpt.parameters()}
+    assert all(id(p) in mine for stage in stages for p in stage.parameters())
+
+
+def test_named_split_points_may_cut_inside_a_block() -> None:
+    gpt = GPT(width=32, depth=2)
+    stages = plan_stages(gpt, 3, ["blocks.1", "norm"])
+    assert _keys(stages)[2] == ["head", "norm"]
+    inside = plan_stages(gpt, 2, ["blocks.1.mlp"])
+    tokens = torch.randint(64, (2, 8))
+    assert torch.equal(_chain(inside, tokens), gpt(tokens))  # the residual travels along
+    with pytest.raises(UserError, match="blocks.1.mlp lies inside blocks.1"):
+        plan_stages(gpt, 3, ["blocks.1", "blocks.1.mlp"])
+
+
+@pytest.mark.parametrize(
+    ("model", "stages", "names", "message"),
+    [
+        (DigitsCNN(), 5, (), "with 5 stages needs at least 5 layers to split between, and"),
+        (nn.Sequential(nn.ReLU()), 2, (), "splits layers, and Sequential has none"),
+        (GPT(depth=2), 2, ("blocks.7",), "--pipeline-split blocks.7: GPT has no such submodule"),
+        (GPT(depth=2), 3, ("blocks.1",), "which make 2 stages, but the run has 3 processes"),
+        (GPT(depth=4), 3, ("blocks.2", "blocks.1"), "runs them in the order blocks.1,blocks.2"),
+        (GPT(depth=2, tie=True), 2, (), "shares a parameter between stages 1 and 2"),
+    ],
+)
+def test_models_that_cannot_be_cut_are_refused(
+    model: nn.Module, stages: int, names: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        plan_stages(model, stages, names)
+
+
+class _Skip(nn.Module):
+    """Its output needs its input: no cut between a and b passes it along."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) + x
+
+
+def test_a_value_skipping_a_stage_is_refused() -> None:
+    with pytest.raises(UserError, match="stage 2 of _Skip needs a value from the model's inputs"):
+        plan_stages(_Skip(), 2, ["b"])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--devices", "cpu,cpu,cpu,cpu,cpu"), "with 5 stages needs at least 5 layers"),
+        (("--devices", "cpu"), "--strategy pipeline needs at least 2 processes"),
+        (("--devices", "cpu,cpu,cpu", "--pipeline-split", "classifier"), "make 2 stages"),
+        (("--devices", "cpu,cpu", "--precision", "fp16"), "needs a GradScaler shared"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    paratrain_cli: CLI, options: tuple[str, ...], message: str
+) -> None:
+    result = paratrain_cli("train", "--strategy", "pipeline", "--no-progress", *options)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(width=32, depth=4)
+
+
+def _pipeline_in_each_process(rt: paratrain.Runtime, folder: str) -> list[float]:
+    plain, model = _gpt(), _gpt()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    tokens = torch.randint(64, (6, 16), generator=torch.Generator().manual_seed(0))
+    loss_fn = paratrain.models.TokenCrossEntropy()
+    loss = rt.forward_backward(model, loss_fn, tokens, tokens)
+    optimizer.step()  # momentum buffers now exist, for this stage's parameters only
+    expected = loss_fn(plain(tokens), tokens)
+    expected.backward()
+    plain_opt.step()
+    after = plain.state_dict()
+    stepped = max((v - after[k]).abs().max().item() for k, v in model.state_dict().items())
+    held = len(optimizer.state)
+    try:
+        rt.backward(loss)
+        refused = 0.0
+    except UserError:
+        refused = 1.0
+    with torch.no_grad():  # evaluation: every process gets the last stage's output
+        model.eval()
+        plain.eval()
+        output_diff = (model(tokens) - plain(tokens)).abs().max().item()
+    # rt.save holds full tensors; rt.load into a fresh pipeline restores them exactly
+    path = Path(folder) / "state.pt"
+    rt.save(path, {"model": model, "optimizer": optimizer})
+    fresh = _gpt()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh, fresh_opt = rt.setup(fresh, fresh_opt)
+    rt.load(path, {"model": fresh, "optimizer": fresh_opt})
+    same = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    same_momentum = all(
+        torch.equal(optimizer.state[a]["momentum_buffer"], fresh_opt.state[b]["momentum_buffer"])
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    # load_weights: plain full weights into a stage; save_weights gathers every stage's
+    paratrain.load_weights(fresh, _gpt().state_dict())
+    gathered = Path(folder) / "plain.safetensors"
+    rt.save_weights(fresh, gathered)
+    reloaded = load_file(str(gathered))
+    exact = all(torch.equal(reloaded[k], v) for k, v in _gpt().state_dict().items())
+    loss_diff = abs(loss.item() - expected.item())
+    return [loss_diff, stepped, float(held), refused, output_diff, float(same and same_momentum)]
+
+
+def test_each_process_trains_its_stage_and_checkpoints_are_full(tmp_path: Path) -> None:
+    rt = paratrain.Runtime(strategy="pipeline", devices="cpu,cpu", pipeline_split=["blocks.2"])
+    result = rt.launch(_pipeline_in_each_process, str(tmp_path))
+    assert result is not None
+    loss_diff, stepped, held, refused, output_diff, restored = result
+    print(f"\npipeline 2 processes: loss diff {loss_diff:.3g}, weights after a step {stepped:.3g}")
+    assert loss_diff < 1e-5 and stepped < 1e-6 and output_diff < 1e-5
+    assert held == 26  # rank 0's stage: embedding, positions and two blocks of 12 tensors
+    assert refused == 1.0 and restored == 1.0
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert saved["model"].keys() == _gpt().state_dict().keys()
+    # the optimizer file numbers every parameter, as one process's does
+    assert sorted(saved["optimizer"]["state"]) == list(range(len(list(_gpt().parameters()))))
+    assert (tmp_path / "plain.safetensors").is_file()
+
+
+def test_pipeline_run_stopped_and_resumed_is_bit_identical(
+    paratrain_cli: CLI, tmp_path: Path
+) -> None:
+    common = ("train", "--recipe", "digits", "--strategy", "pipeline", "--devices", "cpu,cpu")
+    common += ("--no-progress", "--accumulate", "2", "--save-every", "3")
+    assert paratrain_cli(*common, "--max-steps", "12", "--out", "ref").returncode == 0
+    assert paratrain_cli(*common, "--max-steps", "7", "--out", "run").returncode == 0
+    resumed = paratrain_cli("train", "--resume", "run", "--max-steps", "12", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    run = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)
+    # the checkpoint is plain: one process reads it like any other
+    inspect = paratrain_cli("ckpt", "inspect", "run/checkpoints/step-000012")
+    assert inspect.returncode == 0 and "pipeline" in inspect.stdout
+    digits = DigitsCNN()
+    paratrain.load_weights(digits, tmp_path / "run" / "checkpoints" / "step-000012")
+    optimizer = torch.optim.SGD(digits.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(
+        torch.load(tmp_path / "run/checkpoints/step-000012/optimizer.pt", weights_only=True)
+    )
+
+
+def test_bench_measures_pipeline_and_says_why_not_fp16() -> None:
+    combos = enumerate_combos(["pipeline"], ["32", "fp16"], [8], "cpu,cpu")
+    assert [(c.precision, c.processes) for c in combos] == [("32", 2), ("fp16", 2)]
+    assert combos[0].skip_reason is None
+    assert "needs a GradScaler shared by the stages" in str(combos[1].skip_reason)
