@@ -1,6 +1,8 @@
-"""What one process holds of a GPT-style model's training state under fsdp, by process count.
+"""What one process holds of a GPT-style model's training state under fsdp or pipeline, by
+process count.
 
     python benchmarks/fsdp_memory.py [--width 256] [--depth 8] [--processes 1,2,3]
+                                     [--strategy fsdp|pipeline]
 
 M = bytes of the parameters + gradients + SGD-momentum buffers of the whole model. For each
 process count N it trains three steps with ``--strategy fsdp`` on ``cpu`` processes (gloo;
@@ -8,6 +10,7 @@ on a machine with GPUs, ``--devices cuda`` puts one process per GPU) and reports
 process: the bytes of the shards it holds after a step (``DTensor.to_local()`` sizes, taken
 before ``zero_grad``), their ratio to M/N, and the peak resident memory (CPU) or peak
 allocated memory (CUDA). N=1 is the one-process reference (``cpu``/``cuda``, no sharding).
+With ``--strategy pipeline`` each process holds one stage (whole tensors of its layers).
 
 ``paratrain bench --script benchmarks/fsdp_memory.py:factory`` measures the same model
 (``GPT_WIDTH``/``GPT_DEPTH`` in the environment) with every layout.
@@ -54,7 +57,7 @@ def held(rt: paratrain.Runtime, width: int, depth: int) -> list[float]:
     state = 0
     for step in range(3):
         x, y = rt.to_device(sample_batch(8))
-        rt.backward(loss_fn(model(x), y))
+        rt.forward_backward(model, loss_fn, x, y)
         optimizer.step()
         if step == 2:
             state = training_state_bytes(model, optimizer)
@@ -76,6 +79,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--processes", default="1,2,3")
     parser.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--strategy", choices=["fsdp", "pipeline"], default="fsdp")
     args = parser.parse_args()
     model = build(args.width, args.depth)
     params = sum(p.numel() for p in model.parameters())
@@ -85,7 +89,7 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
     for count in (int(n) for n in args.processes.split(",")):
         single = "cuda" if args.devices == "cuda" else "cpu"
-        strategy = single if count == 1 else "fsdp"
+        strategy = single if count == 1 else args.strategy
         devices = ",".join(f"cuda:{i}" if args.devices == "cuda" else "cpu" for i in range(count))
         rt = paratrain.Runtime(strategy=strategy, devices=devices)
         rows = rt.launch(gathered, args.width, args.depth)

@@ -68,7 +68,8 @@ def test_default_combos_are_every_available_strategy_at_native_precisions() -> N
     skipped = {c.strategy for c in combos if c.skip_reason is not None}
     precisions = default_precisions("cpu")
     assert precisions[0] == "32"
-    assert runnable == {(s, p) for s in ("cpu", "ddp", "fsdp") for p in precisions}
+    layouts = ("cpu", "ddp", "fsdp", "pipeline")
+    assert runnable == {(s, p) for s in layouts for p in precisions}
     assert {"cuda", "dp", "mps", "dp-balanced"} <= skipped
     balanced = next(c for c in combos if c.strategy == "dp-balanced")
     assert "test layout" in str(balanced.skip_reason)

@@ -65,7 +65,7 @@ def test_named_split_points_may_cut_inside_a_block() -> None:
     inside = plan_stages(gpt, 2, ["blocks.1.mlp"])
     tokens = torch.randint(64, (2, 8))
     assert torch.equal(_chain(inside, tokens), gpt(tokens))  # the residual travels along
-    with pytest.raises(UserError, match="blocks.1.mlp lies inside blocks.1"):
+    with pytest.raises(UserError, match=r"blocks\.1\.mlp lies inside blocks\.1"):
         plan_stages(gpt, 3, ["blocks.1", "blocks.1.mlp"])
 
 
@@ -110,6 +110,7 @@ def test_a_value_skipping_a_stage_is_refused() -> None:
         (("--devices", "cpu"), "--strategy pipeline needs at least 2 processes"),
         (("--devices", "cpu,cpu,cpu", "--pipeline-split", "classifier"), "make 2 stages"),
         (("--devices", "cpu,cpu", "--precision", "fp16"), "needs a GradScaler shared"),
+        (("--devices", "cpu,cpu", "--compile"), "--compile does not work with --strategy pipeline"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -170,7 +171,8 @@ def _pipeline_in_each_process(rt: paratrain.Runtime, folder: str) -> list[float]
     reloaded = load_file(str(gathered))
     exact = all(torch.equal(reloaded[k], v) for k, v in _gpt().state_dict().items())
     loss_diff = abs(loss.item() - expected.item())
-    return [loss_diff, stepped, float(held), refused, output_diff, float(same and same_momentum)]
+    restored = float(same and same_momentum and exact)
+    return [loss_diff, stepped, float(held), refused, output_diff, restored]
 
 
 def test_each_process_trains_its_stage_and_checkpoints_are_full(tmp_path: Path) -> None:
@@ -186,7 +188,6 @@ def test_each_process_trains_its_stage_and_checkpoints_are_full(tmp_path: Path) 
     assert saved["model"].keys() == _gpt().state_dict().keys()
     # the optimizer file numbers every parameter, as one process's does
     assert sorted(saved["optimizer"]["state"]) == list(range(len(list(_gpt().parameters()))))
-    assert (tmp_path / "plain.safetensors").is_file()
 
 
 def test_pipeline_run_stopped_and_resumed_is_bit_identical(

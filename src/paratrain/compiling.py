@@ -62,6 +62,11 @@ def check_compile(strategy: str, device: torch.device, setting: str | None) -> N
             "threads, which torch.compile does not support; use --strategy ddp (or cuda, cpu), "
             "or drop --compile"
         )
+    if strategy == "pipeline":
+        raise UserError(
+            "--compile does not work with --strategy pipeline yet: its stages run inside "
+            "torch.distributed.pipelining's schedule; drop --compile"
+        )
     reason = _unsupported_reason(device, resolve_mode(setting, strategy))
     if reason is not None:
         raise UserError(f"--compile on {device.type}: {reason}; drop --compile")
