@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
+import paratrain
 from paratrain.data.cifar_cache import CACHE_VARIABLE
+from paratrain.models import DigitsCNN
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,3 +110,28 @@ def paratrain_cli(tmp_path: Path) -> CLI:
         )
 
     return run
+
+
+def assert_stopped_and_resumed_run_is_bit_identical(
+    paratrain_cli: CLI, tmp_path: Path, strategy: str
+) -> None:
+    """digits on ``cpu,cpu`` under ``strategy``: a run stopped at step 7 and resumed to 12
+    equals one run to 12 bit for bit, and its checkpoint is plain (one process reads it)."""
+    common = ("train", "--recipe", "digits", "--strategy", strategy, "--devices", "cpu,cpu")
+    common += ("--no-progress", "--accumulate", "2", "--save-every", "3")
+    assert paratrain_cli(*common, "--max-steps", "12", "--out", "ref").returncode == 0
+    assert paratrain_cli(*common, "--max-steps", "7", "--out", "run").returncode == 0
+    resumed = paratrain_cli("train", "--resume", "run", "--max-steps", "12", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    run = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)
+    # the checkpoint is plain: one process reads it like any other
+    inspect = paratrain_cli("ckpt", "inspect", "run/checkpoints/step-000012")
+    assert inspect.returncode == 0 and strategy in inspect.stdout
+    digits = DigitsCNN()
+    paratrain.load_weights(digits, tmp_path / "run" / "checkpoints" / "step-000012")
+    optimizer = torch.optim.SGD(digits.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(
+        torch.load(tmp_path / "run/checkpoints/step-000012/optimizer.pt", weights_only=True)
+    )

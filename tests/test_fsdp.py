@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CLI, subprocess_env
+from conftest import CLI, assert_stopped_and_resumed_run_is_bit_identical, subprocess_env
 from safetensors.torch import load_file
 from torch import nn
 
@@ -169,24 +169,7 @@ def test_evaluation_with_an_empty_part_does_not_hang(paratrain_cli: CLI) -> None
 
 
 def test_fsdp_run_stopped_and_resumed_is_bit_identical(paratrain_cli: CLI, tmp_path: Path) -> None:
-    common = ("train", "--recipe", "digits", "--strategy", "fsdp", "--devices", "cpu,cpu")
-    common += ("--no-progress", "--accumulate", "2", "--save-every", "3")
-    assert paratrain_cli(*common, "--max-steps", "12", "--out", "ref").returncode == 0
-    assert paratrain_cli(*common, "--max-steps", "7", "--out", "run").returncode == 0
-    resumed = paratrain_cli("train", "--resume", "run", "--max-steps", "12", "--no-progress")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
-    run = load_file(str(tmp_path / "run" / "model.safetensors"))
-    assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)
-    # the checkpoint is plain: one process reads it like any other
-    inspect = paratrain_cli("ckpt", "inspect", "run/checkpoints/step-000012")
-    assert inspect.returncode == 0 and "fsdp" in inspect.stdout
-    digits = DigitsCNN()
-    paratrain.load_weights(digits, tmp_path / "run" / "checkpoints" / "step-000012")
-    optimizer = torch.optim.SGD(digits.parameters(), lr=0.1, momentum=0.9)
-    optimizer.load_state_dict(
-        torch.load(tmp_path / "run/checkpoints/step-000012/optimizer.pt", weights_only=True)
-    )
+    assert_stopped_and_resumed_run_is_bit_identical(paratrain_cli, tmp_path, "fsdp")
 
 
 def test_bench_measures_fsdp_and_says_when_it_is_the_only_fit() -> None:

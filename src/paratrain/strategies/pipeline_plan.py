@@ -128,7 +128,6 @@ def _trace(model: nn.Module, points: Sequence[str]) -> fx.GraphModule:
 
 def _called_in_order(traced: fx.GraphModule, points: Sequence[str], named: bool) -> list[str]:
     calls = [node.target for node in traced.graph.nodes if node.op == "call_module"]
-    order: list[str] = []
     for point in points:
         count = calls.count(point)
         if count > 1:
@@ -147,8 +146,7 @@ def _called_in_order(traced: fx.GraphModule, points: Sequence[str], named: bool)
             f"--pipeline-split {','.join(points)}: the forward runs them in the order "
             f"{','.join(ordered)}; name them in that order"
         )
-    order.extend(ordered)
-    return order
+    return ordered
 
 
 def _balanced_points(
