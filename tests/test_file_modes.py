@@ -54,5 +54,5 @@ def test_every_file_of_a_run_follows_the_umask(tmp_path: Path) -> None:
     files = [path for path in (tmp_path / "run").rglob("*") if path.is_file()]
     names = {path.name for path in files}
     assert {"model.safetensors", "config.json", "state.json"} <= names
-    modes = {path.name: oct(stat.S_IMODE(path.stat().st_mode)) for path in files}
+    modes = {str(path): oct(stat.S_IMODE(path.stat().st_mode)) for path in files}
     assert set(modes.values()) == {"0o640"}, modes
