@@ -41,11 +41,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "atomic": (["src/paratrain/atomic.py"], ["tests/test_atomic.py"]),
     "precision": (
         ["src/paratrain/precision.py"],
-        ["tests/test_precision_unscale.py", "tests/test_runtime.py"],
+        ["tests/test_precision.py", "tests/test_runtime.py"],
     ),
     "optim": (
         ["src/paratrain/optim.py"],
-        ["tests/test_precision_unscale.py", "tests/test_accumulate.py", "tests/test_runtime.py"],
+        ["tests/test_precision.py", "tests/test_accumulate.py", "tests/test_runtime.py"],
     ),
     "batching": (["src/paratrain/batching.py"], ["tests/test_batch_size_per.py"]),
     "keys": (

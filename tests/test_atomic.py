@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.atomic import atomic_write, atomic_write_text
+from paratrain.atomic import atomic_write, atomic_write_text, fsync_dir
 
 OLD = "the previous, complete file\n"
 
@@ -78,3 +78,27 @@ def test_the_final_name_holds_the_previous_file_until_the_new_one_is_complete(
     assert during == OLD
     assert path.read_text(encoding="utf-8") == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_the_temporary_file_is_hidden_and_names_its_file(tmp_path: Path) -> None:
+    """What a hard kill (no cleanup) leaves behind is recognisable: ``.NAME.*.tmp``."""
+    names: list[str] = []
+    atomic_write(tmp_path / "model.safetensors", lambda tmp: names.append(tmp.name))
+    (name,) = names
+    assert name.startswith(".model.safetensors.") and name.endswith(".tmp")
+
+
+def test_a_writer_that_removed_its_file_keeps_its_own_error(tmp_path: Path) -> None:
+    path = _previous(tmp_path)
+
+    def write(tmp: Path) -> None:
+        tmp.unlink()
+        raise WriteFailed("the writer's own error")
+
+    with pytest.raises(WriteFailed):  # not a FileNotFoundError from the clean-up
+        atomic_write(path, write)
+    assert path.read_text(encoding="utf-8") == OLD
+
+
+def test_syncing_a_directory_that_cannot_be_opened_is_skipped(tmp_path: Path) -> None:
+    fsync_dir(tmp_path / "missing")  # no error: the rename is done, durability best-effort

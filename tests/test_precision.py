@@ -1,4 +1,5 @@
-"""fp16 gradients are unscaled before clipping: clipping then gives the model fp32 gives.
+"""Precision policies; fp16 gradients are unscaled before clipping, so that clipping then
+gives the model fp32 gives.
 
 A GradScaler multiplies the loss (by 65,536 at first) so that fp16 gradients do not
 underflow; until ``optimizer.step()`` the gradients stay multiplied. Clipping them without
@@ -10,14 +11,18 @@ and check the arithmetic that CUDA runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import NamedTuple
 
+import pytest
 import torch
 from torch import nn
 
 import paratrain
+from paratrain.errors import UserError
 from paratrain.optim import Accumulation, RuntimeOptimizer
-from paratrain.precision import Precision
+from paratrain.precision import Precision, normalize_precision, to_float32
 
 CPU = torch.device("cpu")
 MAX_NORM = 0.05
@@ -136,3 +141,62 @@ def test_rt_unscale_gradients_under_fp16_autocast_matches_fp32() -> None:
     plain = _runtime_fp16_clipped(paratrain.Runtime(strategy="cpu", precision="32"), 3)
     for p, r in zip(plain.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, r)
+
+
+def test_every_spelling_of_a_precision_names_one_policy() -> None:
+    spellings = {
+        "32": ["32", "fp32", "32-true", "FP32", 32],
+        "bf16": ["bf16", "bf16-mixed", "BF16"],
+        "fp16": ["fp16", "16", "16-mixed", 16],
+    }
+    for name, aliases in spellings.items():
+        assert [normalize_precision(a) for a in aliases] == [name] * len(aliases)
+    with pytest.raises(
+        UserError, match=r"unknown precision 'fp8'; valid precisions: 32, bf16, fp16"
+    ):
+        normalize_precision("fp8")
+
+
+def test_autocast_needs_a_device_type_that_has_it() -> None:
+    """A device type without autocast (``meta`` here): only --precision 32 runs on it."""
+    meta = torch.device("meta")
+    assert isinstance(Precision("32", meta).autocast(), contextlib.nullcontext)
+    for name in ("bf16", "fp16"):
+        with pytest.raises(
+            UserError,
+            match=f"--precision {name}: autocast is not available on meta; use --precision 32",
+        ):
+            Precision(name, meta)
+
+
+def test_the_cpu_policies_dtypes_and_scaler() -> None:
+    """``--strategy cpu``: autocast dtypes; a GradScaler only for fp16 on CUDA."""
+    assert [Precision(n, CPU).dtype for n in ("32", "bf16", "fp16")] == [
+        None,
+        torch.bfloat16,
+        torch.float16,
+    ]
+    assert all(Precision(n, CPU).scaler is None for n in ("32", "bf16", "fp16"))
+    with Precision("bf16", CPU).autocast():
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu")
+    with Precision("32", CPU).autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    model = nn.Linear(2, 2)
+    assert Precision("32", CPU).wrap_forward(model).forward == model.forward
+
+
+class _Pair(NamedTuple):
+    logits: torch.Tensor
+    ids: torch.Tensor
+
+
+def test_outputs_leave_autocast_as_float32_in_the_same_containers() -> None:
+    half, ids = torch.ones(2, dtype=torch.float16), torch.arange(2)
+    out = to_float32({"a": [half, (half, ids)], "b": _Pair(half, ids), "c": "text"})
+    assert isinstance(out["b"], _Pair) and isinstance(out["a"], list)
+    assert isinstance(out["a"][1], tuple)
+    assert [out["a"][0].dtype, out["a"][1][0].dtype, out["b"].logits.dtype] == [torch.float32] * 3
+    assert out["a"][1][1].dtype == out["b"].ids.dtype == torch.int64  # not floating: kept
+    assert out["c"] == "text"
+    assert torch.equal(out["b"].logits, torch.ones(2))
