@@ -369,6 +369,13 @@ class Runtime:
         (``--skip-nonfinite`` / ``PARATRAIN_NONFINITE=skip``)."""
         return self.nonfinite.skipped
 
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Call before clipping gradients: under fp16 with a GradScaler they are scaled
+        (by 65,536 at first) until ``optimizer.step()``; elsewhere this does nothing."""
+        unscale = getattr(optimizer, "unscale_gradients", None)
+        if unscale is not None:  # the optimizer rt.setup wrapped (RuntimeOptimizer)
+            unscale()
+
     def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Wrap a loop whose ranks may get different numbers of batches (torch's ``Join``):
         a rank that runs out waits for the others instead of hanging them."""
