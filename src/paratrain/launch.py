@@ -36,6 +36,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from paratrain import heartbeat
 from paratrain.errors import LaunchError, UserError
+from paratrain.parent_death import die_with_parent
 from paratrain.strategies.distributed import launched
 from paratrain.watchdog import POLL_SECONDS, Watchdog, hang_timeout
 
@@ -141,6 +142,7 @@ def _worker(
     watched: bool,
 ) -> None:
     """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
+    die_with_parent()  # never train on alone if the launcher is killed
     if watched:
         os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
         heartbeat.arm(rank)
