@@ -91,8 +91,12 @@ def acquire(run_dir: str | Path) -> RunLock:
             continue
         except OSError as exc:
             raise UserError(f"cannot lock {directory}: {exc.strerror}") from None
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(me, handle)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(me, handle)
+        except OSError as exc:  # a full disk: no empty lock left behind
+            path.unlink(missing_ok=True)
+            raise UserError(f"cannot lock {directory}: {exc.strerror or exc}") from None
         return RunLock(path, created)
     raise UserError(f"cannot lock {directory}: other processes keep taking its lock")
 

@@ -81,7 +81,7 @@ def write_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         remove_leftovers(root)
         if size is not None:
-            check_space(root, size)
+            check_space(final, size)
         tmp.mkdir()
         for name, write in files.items():
             atomic_write(tmp / name, write)
