@@ -16,6 +16,7 @@ import paratrain
 from paratrain import recipes
 from paratrain.cli import main
 from paratrain.config import TrainConfig
+from paratrain.errors import UserError
 from paratrain.training_state import Checkpointer, Position, ProcessLayout, TrainingParts
 from paratrain.training_state.background import BackgroundWriter, detached_copy
 
@@ -81,7 +82,7 @@ def test_a_failed_background_write_is_raised_by_the_next_save(tmp_path: Path) ->
     (tmp_path / "checkpoints").write_text("a file where the folder should be")
     saver = _checkpointer(tmp_path, nn.Linear(10, 1))
     saver.save(0, 1, 1)  # returns at once; the write fails in the background
-    with pytest.raises(FileExistsError):
+    with pytest.raises(UserError, match=r"cannot write .*step-000001: File exists"):
         saver.save(0, 2, 2)
 
 

@@ -22,7 +22,7 @@ from paratrain.checkpoint.readers import read_torch
 from paratrain.cli import main
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
-from paratrain.training_state import capture_rng, list_checkpoints, restore_rng
+from paratrain.training_state import capture_rng, list_checkpoints, manifest, restore_rng
 from paratrain.training_state.store import latest_checkpoint, write_checkpoint
 
 RECIPE = "test-dropout"
@@ -250,7 +250,10 @@ def test_resume_without_generator_states_is_not_exact(
     assert _train(capsys, "--out", str(tmp_path / "ref"), *common)[0] == 0
     assert _train(capsys, "--out", str(tmp_path / "run"), *common, "--max-steps", "6")[0] == 0
     torch.manual_seed(1234)  # another state than the one saved
-    torch.save(capture_rng(), tmp_path / "run" / "checkpoints" / "step-000006" / "rng-rank0.pt")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000006"
+    torch.save(capture_rng(), checkpoint / "rng-rank0.pt")
+    sealed = manifest.build(checkpoint, 6, manifest.read(checkpoint)["files"])  # type: ignore[index]
+    (checkpoint / manifest.MANIFEST).write_text(json.dumps(sealed))  # a change made on purpose
     assert _train(capsys, "--resume", str(tmp_path / "run"), "--max-steps", "999")[0] == 0
     assert not _same_weights(tmp_path / "ref", tmp_path / "run")
 

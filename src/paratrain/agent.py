@@ -6,7 +6,8 @@ starts the heartbeat and reports a one-line error to this launcher instead of pr
 once per rank. This launcher (one per machine):
 
 * checks the options of several machines before starting anything;
-* keeps the rendezvous on 127.0.0.1 unless ``--rdzv-endpoint`` names an address;
+* keeps the rendezvous, and every store and socket of the run, on 127.0.0.1 unless
+  ``--rdzv-endpoint`` names an address (:mod:`paratrain.loopback`);
 * watches its processes for hangs in a thread (:mod:`paratrain.watchdog`);
 * turns the agent's failure into one :class:`~paratrain.errors.LaunchError` (or
   :class:`~paratrain.errors.UserError`) naming the rank and the cause.
@@ -22,13 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain import loopback
 from paratrain.errors import LaunchError, UserError
 from paratrain.heartbeat import DIRECTORY_VARIABLE
 from paratrain.watchdog import Watchdog, WatchdogThread, hang_timeout
 
 #: where the processes leave a one-line error for this launcher (see :mod:`paratrain.entry`)
 REPORT_VARIABLE = "PARATRAIN_REPORT_DIR"
-LOOPBACK = "127.0.0.1"
+LOOPBACK = loopback.LOOPBACK
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,16 @@ class Nodes:
         return self.nnodes > 1 or self.max_restarts > 0 or self.endpoint is not None
 
 
+def _on_loopback(nodes: Nodes) -> bool:
+    return nodes.endpoint is None or loopback.is_loopback(nodes.endpoint.rpartition(":")[0])
+
+
 def _torchrun_args(nodes: Nodes, nprocs: int, entry: Sequence[str], run_id: str) -> list[str]:
     endpoint = nodes.endpoint or f"{LOOPBACK}:0"
+    # Where the workers find the agent's store: loopback, not this machine's name.
+    local = [f"--local-addr={LOOPBACK}"] if _on_loopback(nodes) else []
     return [
+        *local,
         f"--nnodes={nodes.nnodes}",
         f"--node-rank={nodes.node_rank}",
         f"--nproc-per-node={nprocs}",
@@ -110,7 +119,8 @@ def run_agent(
         if timeout is not None:
             os.environ[DIRECTORY_VARIABLE] = tmp
             watchdog = WatchdogThread(Watchdog(Path(tmp), timeout))
-        with watchdog or contextlib.nullcontext():
+        stores = loopback.agent_stores() if _on_loopback(nodes) else contextlib.nullcontext()
+        with watchdog or contextlib.nullcontext(), stores:
             try:
                 torch_run(args)
             except ChildFailedError as exc:

@@ -1,12 +1,26 @@
-"""Crash-safe file writes: a file is either complete under its name, or absent."""
+"""Crash-safe file writes: a file is either complete under its name, or absent.
+
+A full disk is said in one line, ``no space left on device while writing PATH: N bytes
+needed, M free`` (an ``OSError`` with ``errno.ENOSPC``), and leaves nothing half-written:
+the temporary file goes, the previous file under the name stays. Where the size is known
+beforehand (``size``), the free space is checked before anything is written.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+#: errors that mean the file system is full (or the user's quota is)
+FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: below this much free space, a writer's failure (torch's says "unexpected pos") is taken
+#: to be the disk being full
+_NEARLY_FULL = 1 << 20
 
 
 def fsync_dir(directory: Path) -> None:
@@ -31,13 +45,47 @@ def current_umask() -> int:
     return mask
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+def free_bytes(directory: Path) -> int | None:
+    """Free space for this user under ``directory``, None where it cannot be told."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def no_space(path: Path, needed: int, free: int | None = None, at_least: bool = False) -> OSError:
+    """The one-line error of a full disk (``errno.ENOSPC``)."""
+    free = free_bytes(path.parent) if free is None else free
+    what = f"{'at least ' if at_least else ''}{needed:,} bytes needed"
+    room = "free space unknown" if free is None else f"{free:,} free"
+    return OSError(errno.ENOSPC, f"no space left on device while writing {path}: {what}, {room}")
+
+
+def check_space(path: Path, needed: int) -> None:
+    """Raise :func:`no_space` if the file system of ``path`` has less than ``needed`` bytes."""
+    free = free_bytes(path.parent if not path.is_dir() else path)
+    if free is not None and free < needed:
+        raise no_space(path, needed, free)
+
+
+def is_disk_full(exc: BaseException, directory: Path) -> bool:
+    """Whether ``exc``, raised while writing into ``directory``, means the disk is full."""
+    if isinstance(exc, OSError):
+        return exc.errno in FULL
+    free = free_bytes(directory)
+    return isinstance(exc, RuntimeError) and free is not None and free < _NEARLY_FULL
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None], size: int | None = None) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, flush it, then rename it.
 
+    ``size``: the bytes it will take, when known: checked against the free space first.
     The file gets the mode any new file of this process gets (0666 less the umask), not the
     temporary file's 0600, so others can read weights in a shared run directory.
     """
     path = Path(path)
+    if size is not None:
+        check_space(path, size)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -48,8 +96,13 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        full = is_disk_full(exc, path.parent)
+        written = tmp.stat().st_size if full and tmp.exists() else 0
         tmp.unlink(missing_ok=True)
+        if full:
+            needed, at_least = (size, False) if size is not None else (written, True)
+            raise no_space(path, needed, at_least=at_least) from exc
         raise
     fsync_dir(path.parent)
 
@@ -58,4 +111,4 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
 
-    atomic_write(path, write)
+    atomic_write(path, write, size=len(text.encode("utf-8")))

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from paratrain.atomic import FULL
 from paratrain.commands import COMMAND_MODULES
 from paratrain.errors import LaunchError, UserError
 from paratrain.version import __version__
@@ -44,9 +45,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         _error(exc)
         return 1
+    except OSError as exc:  # a full disk, a folder not writable: one line, not a traceback
+        _error(UserError(exc.strerror if exc.errno in FULL and exc.strerror else _os_error(exc)))
+        return 2
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130
+
+
+def _os_error(exc: OSError) -> str:
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def _error(exc: Exception) -> None:

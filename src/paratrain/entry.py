@@ -23,6 +23,7 @@ from paratrain.agent import REPORT_VARIABLE
 from paratrain.commands.train import train_in_process
 from paratrain.elastic import worker_config
 from paratrain.errors import LaunchError, UserError
+from paratrain.parent_death import die_with_parent
 from paratrain.runtime import Runtime
 
 
@@ -44,6 +45,8 @@ def report(exc: UserError | LaunchError) -> int:
 
 
 def guarded(main: Callable[[], object]) -> int:
+    if os.environ.get(REPORT_VARIABLE):  # started by paratrain's launcher: die with it
+        die_with_parent()
     heartbeat.arm()
     try:
         main()

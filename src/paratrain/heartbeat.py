@@ -10,6 +10,9 @@ about a microsecond, so it can sit in every training step. The runtime beats in
 :func:`arm` also registers :mod:`faulthandler` on ``SIGUSR1``: the watchdog sends it to a
 stuck rank, which then writes every thread's Python stack to ``stack-rank{R}.txt``, even when
 its main thread is blocked inside a C call such as a collective.
+
+Every 64 beats a rank also checks that its launcher is still alive, and exits if not
+(:mod:`paratrain.parent_death`; on Linux the kernel kills it anyway).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import IO
 
 DIRECTORY_VARIABLE = "PARATRAIN_HEARTBEAT_DIR"
 _LAYOUT = struct.Struct("<qqdq")  # pid, beats, time of the last beat, waiting (0/1)
+#: beats between two checks that the launcher is still alive (one system call each)
+_PARENT_CHECK_EVERY = 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class _Heart:
         with open(path, "r+b") as handle:
             self.map = mmap.mmap(handle.fileno(), _LAYOUT.size)
         self.pid = os.getpid()
+        self.parent = os.getppid()
         self.count = 0
         # Kept open for the process's life: faulthandler writes to its descriptor.
         self.stack: IO[str] = open(stack_file(directory, rank), "w")  # noqa: SIM115
@@ -65,6 +71,9 @@ class _Heart:
 
     def beat(self, waiting: int = 0) -> None:
         self.count += 1
+        if self.count % _PARENT_CHECK_EVERY == 0 and os.getppid() != self.parent:
+            # The launcher is gone (where no kernel signal told us): do not train on alone.
+            os._exit(1)
         _LAYOUT.pack_into(self.map, 0, self.pid, self.count, time.time(), waiting)
 
 

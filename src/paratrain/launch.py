@@ -35,7 +35,9 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from paratrain import heartbeat
+from paratrain.atomic import FULL
 from paratrain.errors import LaunchError, UserError
+from paratrain.parent_death import die_with_parent
 from paratrain.strategies.distributed import launched
 from paratrain.watchdog import POLL_SECONDS, Watchdog, hang_timeout
 
@@ -141,6 +143,7 @@ def _worker(
     watched: bool,
 ) -> None:
     """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
+    die_with_parent()  # never train on alone if the launcher is killed
     if watched:
         os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
         heartbeat.arm(rank)
@@ -163,6 +166,15 @@ def _worker(
         # Bad input found late is still bad input: the parent re-raises it as such.
         _record_failure(tmp, rank, exc)
         (Path(tmp) / f"usererror-{rank}").write_text(str(exc), encoding="utf-8")
+        sys.exit(2)
+    except OSError as exc:
+        if exc.errno not in FULL:
+            _record_failure(tmp, rank, exc)
+            raise
+        # A full disk (metrics, weights): one line, like bad input.
+        _record_failure(tmp, rank, exc)
+        text = exc.strerror if "no space" in str(exc.strerror) else f"no space left: {exc}"
+        (Path(tmp) / f"usererror-{rank}").write_text(str(text), encoding="utf-8")
         sys.exit(2)
     except LaunchError as exc:
         # Said in one line (a non-finite loss, ranks out of step): no traceback needed.

@@ -24,7 +24,7 @@ from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.recipes import get_recipe
 from paratrain.strategies import build_strategy
-from paratrain.training_state.snapshot import MUST_MATCH, read_state
+from paratrain.training_state.snapshot import MUST_MATCH, damage, read_state
 from paratrain.training_state.store import (
     CHECKPOINTS,
     STATE,
@@ -63,19 +63,48 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
     if given.parent.name == CHECKPOINTS and (given / STATE).is_file():
         if checkpoint_step(given) is None:
             raise UserError(f"--resume {given} is an unfinished checkpoint; pass the run directory")
+        problem = damage(given)
+        if problem is not None:
+            raise UserError(f"--resume {given}: {problem}; resume from another checkpoint")
         return given.parent.parent, given
     if not (given / rundir.CONFIG).is_file():
         raise UserError(
             f"--resume {given} is neither a run directory (no {rundir.CONFIG}) nor a "
             f"checkpoint (no {STATE})"
         )
+    _check_entries(given)
     latest = latest_checkpoint(given)
     if latest is None:
         raise UserError(
             f"--resume {given}: the run has no complete checkpoint to continue from; start it "
             f"again with --out {given} --overwrite"
         )
+    problem = damage(latest)
+    if problem is not None:
+        raise UserError(f"--resume {given}: {problem}; {_intact_hint(given, latest)}")
     return given, latest
+
+
+def _check_entries(run_dir: Path) -> None:
+    """Something else put where a checkpoint goes would be overwritten later: refuse."""
+    root = run_dir / CHECKPOINTS
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        if checkpoint_step(path) is not None and not path.is_dir():
+            raise UserError(
+                f"--resume {run_dir}: {path} is not a checkpoint (a file, not a directory); "
+                "move it out of the way"
+            )
+
+
+def _intact_hint(run_dir: Path, damaged: Path) -> str:
+    """Where to go on from: the newest older checkpoint that verifies."""
+    for older in reversed(list_checkpoints(run_dir)):
+        if older != damaged and damage(older) is None:
+            return (
+                f"the newest intact checkpoint is {older.name}: move {damaged.name} out of "
+                f"{damaged.parent} and resume again to continue from it"
+            )
+    return f"no older checkpoint is intact: start again with --out {run_dir} --overwrite"
 
 
 def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
-from paratrain import rundir
+from paratrain import run_lock, rundir
 from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
@@ -22,6 +24,7 @@ from paratrain.resume import resume_config
 from paratrain.runtime import Runtime
 from paratrain.strategies import describe_strategies
 from paratrain.tensorboard_logger import require_tensorboard
+from paratrain.training_state import CHECKPOINTS
 
 
 def _strategy_help() -> str:
@@ -196,10 +199,27 @@ def train_command(cfg: TrainConfig) -> int:
 def run(args: argparse.Namespace) -> int:
     nodes = nodes_from_args(args)
     apply_to_environment(args)
+    # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
+    # of a launcher that started every process with this command (torchrun).
+    directory = _run_directory(args)
+    locks = directory is not None and nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+    with run_lock.hold(directory) if locks and directory else contextlib.nullcontext():
+        if getattr(args, "resume", None) is not None:
+            cfg = resume_config(args.resume, given_options(args))
+        else:
+            cfg = config_from_args(args)
+        if nodes.uses_agent and not launched():
+            return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
+        return train_command(cfg)
+
+
+def _run_directory(args: argparse.Namespace) -> Path | None:
+    """The directory this command writes (``--out`` is given its default here); None for
+    a ``--resume`` of nothing (refused later)."""
     if getattr(args, "resume", None) is not None:
-        cfg = resume_config(args.resume, given_options(args))
-    else:
-        cfg = config_from_args(args)
-    if nodes.uses_agent and not launched():
-        return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
-    return train_command(cfg)
+        given = Path(args.resume)
+        run = given.parent.parent if given.parent.name == CHECKPOINTS else given
+        return run if run.is_dir() else None
+    if args.out is None:
+        args.out = str(rundir.default_out(args.recipe))
+    return Path(args.out)

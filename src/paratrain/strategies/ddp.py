@@ -37,6 +37,7 @@ from paratrain.strategies.distributed import (
     env_int,
     launched,
     local_process_count,
+    loopback_store,
     timeout_from_env,
 )
 from paratrain.strategies.registry import register
@@ -131,7 +132,7 @@ class DDPStrategy(Strategy):
     def _join(self) -> None:
         if launched():
             try:
-                store = attempt_store(self.init_timeout)
+                store = attempt_store(self.init_timeout) or loopback_store(self.init_timeout)
                 if store is None:
                     dist.init_process_group(
                         self.backend, init_method="env://", timeout=self.init_timeout

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain import loopback
 from paratrain.collective import Collective, ReduceOp
 from paratrain.errors import UserError
 
@@ -57,6 +58,7 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    loopback.pin_interfaces(os.environ.get("MASTER_ADDR"))
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -65,6 +67,21 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"paratrain/attempt-{attempt}", store)
+
+
+def loopback_store(timeout: timedelta) -> dist.Store | None:
+    """Outside torchrun's agent, with the rendezvous on a loopback address (``rt.launch``'s
+    spawned processes): the store, its server on rank 0 listening on loopback only (torch's
+    ``env://`` would listen on every interface); None for any other address. Also pins
+    gloo's and NCCL's sockets to the loopback interface."""
+    host = os.environ["MASTER_ADDR"]
+    if not loopback.is_loopback(host):
+        return None
+    loopback.pin_interfaces(host)
+    port, rank = int(os.environ["MASTER_PORT"]), env_int("RANK", 0)
+    if rank == 0:
+        return loopback.store_server(host, port, timeout, multi_tenant=True)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
 def timeout_from_env(name: str, default: float) -> timedelta:

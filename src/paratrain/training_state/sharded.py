@@ -90,5 +90,7 @@ def save_model_weights(
     main process. Every process calls it; all return once the file is complete."""
     state = model_state(collective, model)
     if state is not None:
-        atomic_write(Path(path), lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        write = lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"})  # noqa: E731
+        atomic_write(Path(path), write, size=size)
     collective.barrier()

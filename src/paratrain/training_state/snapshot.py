@@ -8,6 +8,8 @@ One checkpoint directory (see :mod:`.store`) holds:
   one process writes);
 * ``rng-rank{R}.pt``: the generator states of process R (Python, NumPy, torch CPU, CUDA),
   gathered to the main process, which alone writes;
+* ``manifest.json``, written last: the step, and every other file's size and checksum,
+  verified before a checkpoint is loaded (:mod:`.manifest`);
 * ``state.json``: where training stands (``epoch``, ``batch`` = global batches of that epoch
   already trained, ``step``), each process's running train-loss sum for the epoch, how many
   lines ``metrics.jsonl`` had, and the settings that must match to resume (recipe, batch
@@ -33,6 +35,7 @@ from paratrain.checkpoint import load_weights
 from paratrain.checkpoint.readers import read_torch
 from paratrain.collective import Collective
 from paratrain.errors import UserError
+from paratrain.training_state import manifest
 from paratrain.training_state.background import BackgroundWriter, detached_copy
 from paratrain.training_state.collect import gather_to_main
 from paratrain.training_state.rng import capture_rng, restore_rng
@@ -47,11 +50,13 @@ from paratrain.training_state.store import (
     WEIGHTS,
     FileWriter,
     checkpoint_name,
+    checkpoint_step,
     write_checkpoint,
 )
 from paratrain.version import __version__
 
-FORMAT = 1
+#: 2: with a manifest (:mod:`.manifest`); 1: written before manifests, read unverified
+FORMAT = 2
 #: settings a checkpoint can only be resumed with (the data position and step count
 #: depend on them)
 MUST_MATCH = ("recipe", "batch_size", "seed", "accumulate", "precision")
@@ -221,9 +226,10 @@ class Checkpointer:
             files[rng_file(rank)] = _torch_writer(detached_copy(part["rng"]))
         files[STATE] = _json_writer(state)  # last: its presence marks a complete set
         run_dir, keep = self.run_dir, self.keep
+        size = _bytes_of((weights, optimizer, [g["rng"] for g in gathered]))
         if self._writer is None:
-            return write_checkpoint(run_dir, step, files, keep)
-        self._writer.submit(lambda: write_checkpoint(run_dir, step, files, keep))
+            return write_checkpoint(run_dir, step, files, keep, size)
+        self._writer.submit(lambda: write_checkpoint(run_dir, step, files, keep, size))
         return run_dir / CHECKPOINTS / checkpoint_name(step)
 
     def wait(self) -> None:
@@ -245,6 +251,11 @@ def load_checkpoint(
     Every process reads the files itself. Under another world size the generator states are
     not restored (they are per process), and the epoch's running loss sum goes to rank 0.
     """
+    collective = layout.collective
+    # One process reads every byte against the manifest; every process gets the verdict.
+    problem = collective.broadcast_object(damage(checkpoint) if collective.is_main else None)
+    if problem is not None:
+        raise UserError(problem)
     state = read_state(checkpoint)
     if state["batches_per_epoch"] != batches_per_epoch:
         raise UserError(
@@ -252,14 +263,18 @@ def load_checkpoint(
             f"run has {batches_per_epoch}: the data set changed; resume with the same data"
         )
     load_weights(parts.model, checkpoint / WEIGHTS)
-    collective = layout.collective
     for name, obj in parts.stateful().items():
         path = checkpoint / f"{name}.pt"
         if path.is_file() and name == "optimizer":
             load_optimizer_state(obj, read_torch(path))
         elif path.is_file():
             obj.load_state_dict(read_torch(path))
-        else:
+        elif name == "optimizer":  # never reset silently: a fresh optimizer trains otherwise
+            raise UserError(
+                f"{path} is missing: the checkpoint cannot be resumed without its optimizer "
+                "state; resume from another checkpoint"
+            )
+        else:  # not written: e.g. no GradScaler where the checkpoint was saved
             collective.note(f"paratrain: note: {checkpoint} holds no {name} state")
     rank, world = collective.rank, collective.world_size
     sums, samples = state.get("epoch_loss_sums", [0.0]), state.get("epoch_samples", [0])
@@ -285,6 +300,33 @@ def load_checkpoint(
         metrics_lines=int(state.get("metrics_lines", 0)),
         last_metrics=dict(state.get("last_metrics") or {}),
     )
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with ``checkpoint`` (a missing, extra or altered file, a step that
+    differs), or None when it matches its manifest. A checkpoint written before manifests
+    (format 1) cannot be verified and passes."""
+    try:
+        state = read_state(checkpoint)
+        if state["format"] < 2 and manifest.read(checkpoint) is None:
+            return None
+        manifest.verify(checkpoint, checkpoint_step(checkpoint))
+    except (UserError, manifest.Damaged) as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{checkpoint} cannot be read: {exc}"
+    return None
+
+
+def _bytes_of(obj: Any) -> int:
+    """About the bytes the tensors in ``obj`` take on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_bytes_of(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes_of(value) for value in obj)
+    return 0
 
 
 def _safetensors_writer(tensors: dict[str, torch.Tensor]) -> FileWriter:

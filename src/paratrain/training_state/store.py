@@ -12,6 +12,7 @@ leaves a half-deleted ``step-N``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from paratrain.atomic import atomic_write, fsync_dir
+from paratrain.atomic import FULL, atomic_write, check_space, fsync_dir
+from paratrain.errors import UserError
+from paratrain.training_state import manifest
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"
@@ -52,7 +55,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found: list[tuple[int, Path]] = []
     for child in root.iterdir():
         step = checkpoint_step(child)
-        if step is not None and (child / STATE).is_file():
+        complete = (child / STATE).is_file() or (child / manifest.MANIFEST).is_file()
+        if step is not None and complete:
             found.append((step, child))
     return [path for _, path in sorted(found)]
 
@@ -62,25 +66,38 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def write_checkpoint(run_dir: Path, step: int, files: Mapping[str, FileWriter], keep: int) -> Path:
+def write_checkpoint(
+    run_dir: Path, step: int, files: Mapping[str, FileWriter], keep: int, size: int | None = None
+) -> Path:
     """Write ``files`` (name -> writer of that file) as the checkpoint of ``step``, then keep
-    only the newest ``keep`` checkpoints. Files are written in the mapping's order."""
+    only the newest ``keep`` checkpoints. Files are written in the mapping's order, then the
+    manifest (:mod:`.manifest`). ``size``: about how many bytes they take, checked against
+    the free space first. A full disk or another OS error is a ``UserError`` in one line,
+    and leaves no part of this checkpoint behind."""
     root = run_dir / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(root)
     final = root / checkpoint_name(step)
     tmp = root / f".{final.name}.tmp"
-    tmp.mkdir()
-    for name, write in files.items():
-        atomic_write(tmp / name, write)
-    fsync_dir(tmp)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(root)
+        if size is not None:
+            check_space(final, size)
+        tmp.mkdir()
+        for name, write in files.items():
+            atomic_write(tmp / name, write)
+        built = manifest.build(tmp, step, files)
+        atomic_write(tmp / manifest.MANIFEST, lambda path: _write_json(path, built))
+        fsync_dir(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(_os_error(exc, final)) from None
     _stall_for_tests()
-    if final.exists():  # the same step saved again (a run resumed from an earlier point)
+    if final.exists() or final.is_symlink():  # the same step saved again (a resumed run)
         old = root / f".{final.name}.old"
         os.rename(final, old)
         os.rename(tmp, final)
         fsync_dir(root)
-        shutil.rmtree(old)
+        _delete(old)
     else:
         os.rename(tmp, final)
         fsync_dir(root)
@@ -101,8 +118,29 @@ def remove_leftovers(root: Path) -> None:
     """Delete the hidden directories an interrupted save or prune left behind."""
     if root.is_dir():
         for child in root.iterdir():
-            if _LEFTOVER.fullmatch(child.name) and child.is_dir():
-                shutil.rmtree(child)
+            if _LEFTOVER.fullmatch(child.name):
+                _delete(child)
+
+
+def _delete(path: Path) -> None:
+    """Remove a directory tree, or a file (something put where a checkpoint was)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _os_error(exc: OSError, checkpoint: Path) -> str:
+    if exc.errno in FULL:
+        text = exc.strerror or str(exc)
+        if "no space left" in text:
+            return text
+        return f"no space left on device while writing {checkpoint}: {text}"
+    return f"cannot write {checkpoint}: {exc.strerror or exc}"
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def remove_checkpoints(run_dir: Path) -> None:

@@ -1,0 +1,91 @@
+"""A running job, seen from outside: nothing it listens on is reachable from another
+machine, its run directory is locked, and killing its launcher leaves no rank behind.
+Real runs (`--strategy ddp --devices cpu,cpu`, spawned and under torchrun's agent) on gloo;
+each is killed with SIGKILL once it has written a checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import subprocess_env
+from processes import alive, descendants, exposed, listening
+
+from paratrain import run_lock
+from paratrain.cli import main
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _until(condition, seconds: float = 120) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path]:
+    run = tmp_path / "run"
+    args = ["train", "--strategy", "ddp", "--devices", "cpu,cpu", "--epochs", "50"]
+    args += ["--save-every", "1", "--out", str(run), "--no-progress", *extra]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", *args],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    checkpoints = run / "checkpoints"
+    started = _until(
+        lambda: launcher.poll() is not None
+        or (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()))
+    )
+    assert started and launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
+    return launcher, run
+
+
+def _check_job(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> int:
+    """Start a job; check its listeners and its lock; SIGKILL its launcher; check that no
+    rank outlives it. Returns how many listeners it had."""
+    launcher, run = _start(tmp_path, *extra)
+    try:
+        ranks = descendants(launcher.pid)
+        listeners = listening([launcher.pid, *ranks])
+        assert listeners, "the job listens on nothing: the check would prove nothing"
+        assert exposed(listeners) == [], f"listening beyond loopback: {listeners}"
+        # A second run on the same directory is refused while this one writes it.
+        assert main(["train", "--resume", str(run)]) == 2
+        assert "in use by another run" in capsys.readouterr().err
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+    assert _until(lambda: not any(alive(pid) for pid in ranks), 30), [
+        pid for pid in ranks if alive(pid)
+    ]
+    # The dead launcher's lock is stale: the next run takes it over, with a note.
+    run_lock.acquire(run).release()
+    assert "which is gone; taking the lock over" in capsys.readouterr().err
+    return len(listeners)
+
+
+def test_spawned_job_listens_on_loopback_and_dies_with_its_launcher(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # rank 0's store and both ranks' gloo sockets
+    assert _check_job(tmp_path, capsys) >= 3
+
+
+def test_agent_job_listens_on_loopback_and_dies_with_its_launcher(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the agent's rendezvous store and its workers' store, and gloo's sockets
+    assert _check_job(tmp_path, capsys, "--max-restarts", "1") >= 4
