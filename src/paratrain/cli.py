@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from paratrain.commands import COMMAND_MODULES
 from paratrain.errors import LaunchError, UserError
+from paratrain.preemption import Stopped
 from paratrain.version import __version__
 
 
@@ -44,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         _error(exc)
         return 1
+    except Stopped as exc:  # stopped on a signal; the main process printed its line
+        return int(exc.code or 1)
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130

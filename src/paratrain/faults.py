@@ -4,7 +4,9 @@
 
 * ``kill``: the rank sends itself SIGKILL;
 * ``stall``: the rank sleeps for an hour (a hang);
-* ``nan``: the rank's loss becomes NaN.
+* ``nan``: the rank's loss becomes NaN;
+* ``sigterm``, ``sigusr1``, ``sigint``: the rank sends itself that signal (a stop request,
+  as a cluster's scheduler or a Ctrl-C makes one) and trains on.
 
 ``ATTEMPTS`` (default: every attempt) limits the fault to the first attempts of an elastic
 run (``TORCHELASTIC_RESTART_COUNT`` below it). Without the variable nothing happens.
@@ -18,7 +20,7 @@ import time
 from typing import Any
 
 FAULT_VARIABLE = "PARATRAIN_TEST_FAULT"
-_KINDS = ("kill", "stall", "nan")
+_KINDS = ("kill", "stall", "nan", "sigterm", "sigusr1", "sigint")
 _parsed: tuple[str, int, int] | bool | None = False
 
 
@@ -47,4 +49,7 @@ def at_step(rank: int, step: int, loss: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stall":
         time.sleep(3600)
+    elif kind.startswith("sig"):
+        os.kill(os.getpid(), getattr(signal, kind.upper()))
+        return loss
     return loss * float("nan")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from paratrain import rundir
+from paratrain.agent import Nodes
+from paratrain.autoresume import plan, set_aside
 from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
@@ -15,6 +18,7 @@ from paratrain.commands.launch_options import (
 )
 from paratrain.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.elastic import start_agent
+from paratrain.errors import UserError
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
 from paratrain.recipes import get_recipe, recipe_names
@@ -111,6 +115,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", help="output directory; default runs/<recipe>-<timestamp>")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even if --out holds this run (which is otherwise continued); the "
+        "old run directory is renamed OUT.before-<time>",
+    )
+    p.add_argument(
         "--save-every", type=int, metavar="N", help="also checkpoint every N optimizer steps"
     )
     p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (3)")
@@ -193,13 +203,30 @@ def train_command(cfg: TrainConfig) -> int:
     return 0
 
 
+def _sets_up_out(nodes: Nodes) -> bool:
+    """Whether this process prepares --out: machine 0's launcher, or rank 0 under torchrun."""
+    if launched():
+        return os.environ.get("RANK", "0") == "0"
+    return nodes.node_rank == 0
+
+
 def run(args: argparse.Namespace) -> int:
     nodes = nodes_from_args(args)
     apply_to_environment(args)
     if getattr(args, "resume", None) is not None:
+        if getattr(args, "fresh", False):
+            raise UserError("--resume continues a run; --fresh would start over: drop one")
         cfg = resume_config(args.resume, given_options(args))
     else:
         cfg = config_from_args(args)
+        if getattr(args, "fresh", False):
+            if _sets_up_out(nodes):
+                set_aside(cfg.out)
+        else:
+            planned = plan(cfg, given_options(args))
+            if planned is None:
+                return 0  # this run, finished: nothing to do
+            cfg = planned
     if nodes.uses_agent and not launched():
         return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
     return train_command(cfg)
