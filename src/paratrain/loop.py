@@ -139,6 +139,8 @@ def train(
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
     accuracy = last.get("eval_accuracy")
     epoch = at.epoch - 1
+    if rt.should_stop():  # from here on a signal stops after a step (and before the first)
+        _stop(rt, saver, clock, (at.epoch, at.batch, step), at.loss_sum, at.samples)
     with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
         for epoch in range(at.epoch, cfg.epochs):
             batch = at.batch if epoch == at.epoch else 0
