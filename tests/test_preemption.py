@@ -177,4 +177,5 @@ def test_your_own_loop_stops_on_a_signal_and_resumes_bit_identical(
     preemption.reset()
     resumed, code = _own_loop(tmp_path / "b.pt")
     assert code is None
-    assert all(torch.equal(p, q) for p, q in zip(reference.parameters(), resumed.parameters()))
+    pairs = zip(reference.parameters(), resumed.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
