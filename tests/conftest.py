@@ -10,6 +10,8 @@ behaviour carry a marker and are skipped where the device is absent: ``cuda`` (o
 from __future__ import annotations
 
 import os
+import random
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -115,14 +117,25 @@ def paratrain_cli(tmp_path: Path) -> CLI:
 def assert_stopped_and_resumed_run_is_bit_identical(
     paratrain_cli: CLI, tmp_path: Path, strategy: str
 ) -> None:
-    """digits on ``cpu,cpu`` under ``strategy``: a run stopped at step 7 and resumed to 12
-    equals one run to 12 bit for bit, and its checkpoint is plain (one process reads it)."""
+    """digits on ``cpu,cpu`` under ``strategy``: a run stopped by a signal at a random step
+    (SIGTERM to the launcher, or SIGUSR1 to one rank only), then the same command again,
+    equals one run to 12 steps bit for bit, and its checkpoint is plain (one process reads
+    it)."""
     common = ("train", "--recipe", "digits", "--strategy", strategy, "--devices", "cpu,cpu")
-    common += ("--no-progress", "--accumulate", "2", "--save-every", "3")
-    assert paratrain_cli(*common, "--max-steps", "12", "--out", "ref").returncode == 0
-    assert paratrain_cli(*common, "--max-steps", "7", "--out", "run").returncode == 0
-    resumed = paratrain_cli("train", "--resume", "run", "--max-steps", "12", "--no-progress")
+    common += ("--no-progress", "--accumulate", "2", "--save-every", "3", "--max-steps", "12")
+    assert paratrain_cli(*common, "--out", "ref").returncode == 0
+    step, rank = random.randint(1, 11), random.randint(0, 1)
+    kind = random.choice(["launcher-sigterm", "sigusr1"])
+    fault = {"PARATRAIN_TEST_FAULT": f"{kind}:{rank}:{step}"}
+    stopped = paratrain_cli(*common, "--out", "run", env=subprocess_env(**fault))
+    name = kind.removeprefix("launcher-").upper()
+    assert stopped.returncode == 128 + getattr(signal, name), (fault, stopped.stderr[-2000:])
+    line = f"paratrain: stopped by {name} after step {step}: checkpoint run/checkpoints/step-"
+    assert stopped.stderr.startswith(line) and stopped.stderr.count("\n") == 1, stopped.stderr
+    print(f"\n{strategy} x2, {fault}: {stopped.stderr.strip()}")
+    resumed = paratrain_cli(*common, "--out", "run")  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "continuing from run/checkpoints/step-" in resumed.stderr
     ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
     run = load_file(str(tmp_path / "run" / "model.safetensors"))
     assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)

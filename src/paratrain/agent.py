@@ -16,21 +16,29 @@ once per rank. This launcher (one per machine):
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
+import re
+import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain import loopback
 from paratrain.errors import LaunchError, UserError
 from paratrain.heartbeat import DIRECTORY_VARIABLE
+from paratrain.preemption import Request, Stopped, stop_message
 from paratrain.watchdog import Watchdog, WatchdogThread, hang_timeout
 
 #: where the processes leave a one-line error for this launcher (see :mod:`paratrain.entry`)
 REPORT_VARIABLE = "PARATRAIN_REPORT_DIR"
 LOOPBACK = loopback.LOOPBACK
+#: the signals torchrun's agent passes on to its processes
+SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ def run_agent(
     ``env`` is added to the environment the processes inherit; ``what`` names the work in
     errors (the script, or ``paratrain train``).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torch_run
@@ -112,9 +121,12 @@ def run_agent(
     # this agent is alone.
     run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
     args = get_args_parser().parse_args(_torchrun_args(nodes, nprocs, entry, run_id))
-    with tempfile.TemporaryDirectory(prefix="paratrain-agent-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="paratrain-agent-") as tmp, quiet_torch_logs():
         os.environ.update(env)
         os.environ[REPORT_VARIABLE] = tmp
+        # The agent passes these on to its processes (a stop at the next step); SIGUSR1 is
+        # the signal `sbatch --signal=USR1@120` sends before the time limit.
+        os.environ.setdefault(SIGNALS_VARIABLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
         watchdog = None
         if timeout is not None:
             os.environ[DIRECTORY_VARIABLE] = tmp
@@ -125,9 +137,14 @@ def run_agent(
                 torch_run(args)
             except ChildFailedError as exc:
                 raise _failure(exc, Path(tmp), watchdog, what, nodes.max_restarts) from None
+            except SignalException as exc:  # the agent stopped its processes on a signal
+                raise stopped_on_signal(Path(tmp), exc.sigval) from None
             finally:
                 for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE):
                     os.environ.pop(name, None)
+            stopped = stop_report(Path(tmp))  # a process was signalled, the agent was not
+            if stopped is not None:
+                raise stopped
 
 
 def _failure(
@@ -145,9 +162,88 @@ def _failure(
     format_msg = getattr(exc, "format_msg", None)
     text = format_msg() if callable(format_msg) else str(exc)
     after = f" after {restarts} restart(s)" if restarts else ""
+    first = getattr(exc, "get_first_failure", None)
+    rank = int(first()[0]) if callable(first) else None
+    trace = _trace_of(tmp, rank) if rank is not None else None
+    if trace:  # the processes' own tracebacks go to files (see paratrain.entry)
+        text += f"\nrank {rank}'s traceback:\n{trace}"
     return LaunchError(f"{what} failed{after}; the cause:\n{text.strip()}")
 
 
+def _trace_of(tmp: Path, rank: int) -> str | None:
+    """The traceback ``rank`` left in its last attempt, if it raised."""
+    traces = sorted(tmp.glob(f"trace-a*-rank{rank}.txt"), key=_attempt)
+    if not traces:
+        return None
+    return traces[-1].read_text(encoding="utf-8").partition("\n")[2].rstrip()
+
+
+def stop_report(tmp: Path) -> Stopped | None:
+    """The stop the processes of the last attempt reported (their line is printed)."""
+    reports = sorted(tmp.glob("stopped-a*.json"), key=_attempt)
+    if not reports:
+        return None
+    saved = json.loads(reports[-1].read_text(encoding="utf-8"))
+    request = Request(int(saved["signum"]), float(saved["at"]))
+    return Stopped(request, str(saved["message"]))
+
+
+def stopped_on_signal(tmp: Path, signum: int) -> BaseException:
+    """What a signal to the agent ends with: the processes' stop, or an interruption."""
+    stopped = stop_report(tmp)
+    if stopped is not None:
+        return stopped
+    request = Request(int(signum), time.time())
+    if request.name == "SIGINT":
+        return KeyboardInterrupt()
+    message = stop_message(request, None, None, 0.0)
+    print(message, file=sys.stderr, flush=True)
+    return Stopped(request, message)
+
+
+def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:
+    """Which rank made attempt ``attempt`` fail, as the processes of this machine left
+    it in the report folder: one that died without a word (killed), else the first that
+    raised."""
+    started = {_rank_of(p) for p in tmp.glob(f"started-a{attempt}-rank*")}
+    raised = {_rank_of(p): p for p in tmp.glob(f"trace-a{attempt}-rank*.txt")}
+    silent = sorted(started - set(raised))
+    if silent:
+        return f"rank {silent[0]} died (killed, or exited without an error)"
+    if raised:
+        def when(rank: int) -> float:
+            return float(raised[rank].read_text(encoding="utf-8").partition("\n")[0] or 0)
+
+        rank = min(raised, key=when)
+        lines = raised[rank].read_text(encoding="utf-8").rstrip().splitlines()
+        return f"rank {rank} failed ({lines[-1] if len(lines) > 1 else 'an error'})"
+    return f"a process of another machine failed ({world_size} processes in all)"
+
+
+def _rank_of(path: Path) -> int:
+    return int(path.name.split("-rank")[1].split(".")[0])
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """torchrun's agent logs each worker's exit and every signal it passes on; paratrain
+    says what matters in one line (a failure names its cause, a restart is one note)."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith("torch.distributed")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _attempt(report: Path) -> int:
-    """The attempt of ``report-a{ATTEMPT}-rank{RANK}.txt``."""
-    return int(report.name.split("-")[1].removeprefix("a"))
+    """The attempt of ``report-a{ATTEMPT}-rank{RANK}.txt`` (and of the other reports)."""
+    found = re.search(r"-a(\d+)", report.name)
+    return int(found.group(1)) if found else 0

@@ -12,6 +12,7 @@ from typing import NoReturn
 from paratrain.atomic import FULL
 from paratrain.commands import COMMAND_MODULES
 from paratrain.errors import LaunchError, UserError
+from paratrain.preemption import Stopped
 from paratrain.version import __version__
 
 
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         _error(exc)
         return 1
+    except Stopped as exc:  # stopped on a signal; the main process printed its line
+        return int(exc.code or 1)
     except OSError as exc:  # a full disk, a folder not writable: one line, not a traceback
         _error(UserError(exc.strerror if exc.errno in FULL and exc.strerror else _os_error(exc)))
         return 2

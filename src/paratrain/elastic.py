@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from paratrain import rundir
-from paratrain.agent import Nodes, run_agent
+from paratrain.agent import REPORT_VARIABLE, Nodes, previous_failure, run_agent
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.recipes import get_recipe
@@ -79,7 +79,17 @@ def worker_config() -> tuple[TrainConfig, str | None]:
     resumed = resume_config(cfg.out, given)
     if os.environ.get("RANK", "0") == "0":
         print(
-            f"paratrain: note: restart {restart}: continuing from {resumed.resume_from}",
+            f"paratrain: note: {_what_failed(restart)}; restart {restart}: continuing from "
+            f"{resumed.resume_from}",
             flush=True,
         )
     return resumed, resumed.out
+
+
+def _what_failed(restart: int) -> str:
+    """Which rank made the previous attempt fail, from the launcher's report folder."""
+    folder = os.environ.get(REPORT_VARIABLE)
+    if not folder:
+        return "a process failed"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return previous_failure(Path(folder), restart - 1, world)

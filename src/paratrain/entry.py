@@ -12,9 +12,12 @@ them. A ``UserError`` exits with code 2, any other paratrain error with 1.
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from paratrain.commands.train import train_in_process
 from paratrain.elastic import worker_config
 from paratrain.errors import LaunchError, UserError
 from paratrain.parent_death import die_with_parent
+from paratrain.preemption import Stopped
 from paratrain.runtime import Runtime
 
 
@@ -44,14 +48,48 @@ def report(exc: UserError | LaunchError) -> int:
     return 2 if user else 1
 
 
+def _record(name: str, text: str) -> bool:
+    """Leave ``name`` (with this attempt and rank) for the launcher; False without one."""
+    directory = os.environ.get(REPORT_VARIABLE)
+    if not directory:
+        return False
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank = os.environ.get("RANK", "0")
+    path = Path(directory) / name.format(attempt=attempt, rank=rank)
+    path.write_text(text, encoding="utf-8")
+    return True
+
+
 def guarded(main: Callable[[], object]) -> int:
     if os.environ.get(REPORT_VARIABLE):  # started by paratrain's launcher: die with it
         die_with_parent()
     heartbeat.arm()
+    _record("started-a{attempt}-rank{rank}", str(os.getpid()))
     try:
         main()
+    except Stopped as exc:
+        # Under paratrain's launcher: exit 0, so that the agent does not restart the
+        # processes, and leave the stop for the launcher to exit with.
+        if not os.environ.get(REPORT_VARIABLE):
+            return int(exc.code or 1)
+        if os.environ.get("RANK", "0") == "0":
+            request = {"signum": exc.request.signum, "at": exc.request.at, "message": exc.message}
+            _record("stopped-a{attempt}.json", json.dumps(request))
+        return 0
     except (UserError, LaunchError) as exc:
         return report(exc)
+    except KeyboardInterrupt:
+        if not os.environ.get(REPORT_VARIABLE):
+            raise
+        return 130  # Ctrl-C twice, or before the loop began: the launcher says it once
+    except Exception as exc:
+        # Under paratrain's launcher the traceback goes to a file: when one process dies,
+        # the others fail in their collectives, and a restart should not print them all.
+        trace = f"{time.time()!r}\n{traceback.format_exc()}"
+        if not _record("trace-a{attempt}-rank{rank}.txt", trace):
+            raise
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        return 1
     return 0
 
 

@@ -4,7 +4,11 @@
 
 * ``kill``: the rank sends itself SIGKILL;
 * ``stall``: the rank sleeps for an hour (a hang);
-* ``nan``: the rank's loss becomes NaN.
+* ``nan``: the rank's loss becomes NaN;
+* ``sigterm``, ``sigusr1``, ``sigint``: the rank sends itself that signal once (a stop
+  request, as a cluster's scheduler or a Ctrl-C makes one) and trains on;
+* ``launcher-sigterm``, ``launcher-sigint``: the same, sent to the process that started the
+  rank (``paratrain``'s launcher or torchrun's agent).
 
 ``ATTEMPTS`` (default: every attempt) limits the fault to the first attempts of an elastic
 run (``TORCHELASTIC_RESTART_COUNT`` below it). Without the variable nothing happens.
@@ -18,7 +22,8 @@ import time
 from typing import Any
 
 FAULT_VARIABLE = "PARATRAIN_TEST_FAULT"
-_KINDS = ("kill", "stall", "nan")
+_SIGNALS = ("sigterm", "sigusr1", "sigint", "launcher-sigterm", "launcher-sigint")
+_KINDS = ("kill", "stall", "nan", *_SIGNALS)
 _parsed: tuple[str, int, int] | bool | None = False
 
 
@@ -39,6 +44,7 @@ def _fault() -> tuple[str, int, int] | None:
 
 def at_step(rank: int, step: int, loss: Any) -> Any:
     """Apply the fault meant for ``rank`` at optimizer step ``step`` (1-based), if any."""
+    global _parsed
     fault = _fault()
     if fault is None or fault[1:] != (rank, step):
         return loss
@@ -47,4 +53,9 @@ def at_step(rank: int, step: int, loss: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stall":
         time.sleep(3600)
+    elif kind in _SIGNALS:
+        _parsed = None  # once: a step of several micro-batches comes here for each
+        target = os.getppid() if kind.startswith("launcher-") else os.getpid()
+        os.kill(target, getattr(signal, kind.removeprefix("launcher-").upper()))
+        return loss
     return loss * float("nan")

@@ -7,7 +7,7 @@ see :func:`waiting`). :func:`beat` rewrites those bytes in place: no system call
 about a microsecond, so it can sit in every training step. The runtime beats in
 ``rt.backward``, in every collective and for every batch a loader delivers.
 
-:func:`arm` also registers :mod:`faulthandler` on ``SIGUSR1``: the watchdog sends it to a
+:func:`arm` also registers :mod:`faulthandler` on ``SIGUSR2``: the watchdog sends it to a
 stuck rank, which then writes every thread's Python stack to ``stack-rank{R}.txt``, even when
 its main thread is blocked inside a C call such as a collective.
 
@@ -66,8 +66,8 @@ class _Heart:
         self.count = 0
         # Kept open for the process's life: faulthandler writes to its descriptor.
         self.stack: IO[str] = open(stack_file(directory, rank), "w")  # noqa: SIM115
-        if hasattr(signal, "SIGUSR1"):
-            faulthandler.register(signal.SIGUSR1, file=self.stack, all_threads=True)
+        if hasattr(signal, "SIGUSR2"):
+            faulthandler.register(signal.SIGUSR2, file=self.stack, all_threads=True)
 
     def beat(self, waiting: int = 0) -> None:
         self.count += 1

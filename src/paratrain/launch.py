@@ -20,6 +20,7 @@ that stops making progress is found by the hang watchdog (:mod:`paratrain.watchd
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import socket
@@ -34,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from paratrain import heartbeat
+from paratrain import heartbeat, preemption
 from paratrain.atomic import FULL
 from paratrain.errors import LaunchError, UserError
 from paratrain.parent_death import die_with_parent
@@ -65,6 +66,7 @@ R = TypeVar("R", bound=ProcessRuntime)
 #: (and as much again before SIGKILL)
 GRACE_SECONDS = 5.0
 _RESULT = "result.pkl"
+_STOPPED = "stopped.json"
 
 
 def launch(
@@ -113,19 +115,29 @@ def spawn(
             join=False,
             start_method="spawn",
         )
-        try:
-            while not context.join(timeout=POLL_SECONDS, grace_period=GRACE_SECONDS):
-                hang = watchdog.check() if watchdog is not None else None
-                if hang is not None:
-                    raise LaunchError(hang.message())
-        except ProcessException as exc:
-            raise _failure(exc, context, Path(tmp)) from None
-        finally:
-            _stop(context.processes)
-            for name in context.error_files:
-                Path(name).unlink(missing_ok=True)
+        # The processes have a process group of their own (see _worker): a stop signal
+        # (Ctrl-C in a terminal too) reaches them once, passed on from here.
+        with preemption.forwarding(lambda signum: _send(context.processes, signum)) as got:
+            try:
+                while not context.join(timeout=POLL_SECONDS, grace_period=GRACE_SECONDS):
+                    hang = watchdog.check() if watchdog is not None else None
+                    if hang is not None:
+                        raise LaunchError(hang.message())
+            except ProcessException as exc:
+                if got:  # stopped before the loop could handle the signal
+                    raise _stopped_early(got[0]) from None
+                raise _failure(exc, context, Path(tmp)) from None
+            finally:
+                _stop(context.processes)
+                for name in context.error_files:
+                    Path(name).unlink(missing_ok=True)
+        stopped = _read_stopped(Path(tmp))
+        if stopped is not None:
+            raise stopped
         result_file = Path(tmp) / _RESULT
         if not result_file.exists():  # rank 0 was interrupted (SIGINT) and exited quietly
+            if got:
+                raise _stopped_early(got[0])
             raise LaunchError("rank 0 stopped before returning a result")
         with open(result_file, "rb") as handle:
             result: T = pickle.load(handle)
@@ -156,12 +168,20 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    with contextlib.suppress(OSError):  # signals come from the launcher, once
+        os.setpgid(0, 0)
     if "OMP_NUM_THREADS" not in os.environ:
         # Share the cores instead of every process using all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     try:
         runtime = rebuild()
         result = fn(runtime, *args)
+    except preemption.Stopped as exc:  # a checkpoint was saved: the launcher exits with it
+        if rank == 0:
+            request = {"signum": exc.request.signum, "at": exc.request.at, "message": exc.message}
+            (Path(tmp) / _STOPPED).write_text(json.dumps(request), encoding="utf-8")
+        runtime.teardown()
+        return
     except UserError as exc:
         # Bad input found late is still bad input: the parent re-raises it as such.
         _record_failure(tmp, rank, exc)
@@ -190,6 +210,32 @@ def _worker(
     if rank == 0:
         with open(Path(tmp) / _RESULT, "wb") as handle:
             pickle.dump(result, handle)
+
+
+def _send(processes: Sequence[Any], signum: int) -> None:
+    for process in processes:
+        if process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
+
+
+def _read_stopped(tmp: Path) -> preemption.Stopped | None:
+    """The stop rank 0 recorded (its line is printed already), or None."""
+    path = tmp / _STOPPED
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    request = preemption.Request(int(saved["signum"]), float(saved["at"]))
+    return preemption.Stopped(request, str(saved["message"]))
+
+
+def _stopped_early(request: preemption.Request) -> BaseException:
+    """A signal that ended the processes before their loop could save anything."""
+    if request.name == "SIGINT":
+        return KeyboardInterrupt()
+    message = preemption.stop_message(request, None, None, time.time() - request.at)
+    print(message, file=sys.stderr, flush=True)
+    return preemption.Stopped(request, message)
 
 
 def _record_failure(tmp: str, rank: int, exc: BaseException) -> None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -23,12 +23,14 @@ from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
 from paratrain.tensorboard_logger import TensorBoardLogger
 from paratrain.training_state import (
+    CHECKPOINTS,
     Checkpointer,
     Position,
     ProcessLayout,
     TrainingParts,
     load_checkpoint,
 )
+from paratrain.training_state.store import checkpoint_name
 from paratrain.weights import unwrap_model
 
 
@@ -137,6 +139,8 @@ def train(
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
     accuracy = last.get("eval_accuracy")
     epoch = at.epoch - 1
+    if rt.should_stop():  # from here on a signal stops after a step (and before the first)
+        _stop(rt, saver, clock, (at.epoch, at.batch, step), at.loss_sum, at.samples)
     with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
         for epoch in range(at.epoch, cfg.epochs):
             batch = at.batch if epoch == at.epoch else 0
@@ -173,6 +177,8 @@ def train(
                         saver.save(epoch, batch, step, loss_sum, count)
                 if step >= total:
                     break
+                if applied and rt.should_stop():  # a signal: save this step, then stop
+                    _stop(rt, saver, clock, (epoch, batch, step), loss_sum, count)
             if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
                 with clock.measure("checkpoint"):
                     saver.save(epoch, batch, step, loss_sum, count)
@@ -205,6 +211,8 @@ def train(
                     on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
             if step >= total:
                 break
+            if rt.should_stop():  # arrived during the evaluation: the epoch's checkpoint
+                _stop(rt, saver, clock, (epoch + 1, 0, step))
     with clock.measure("checkpoint"):
         saver.wait()  # the last checkpoint is complete before the run is marked finished
     seconds = time.perf_counter() - start
@@ -223,6 +231,26 @@ def train(
         _finish(rt, cfg, directory, summary)
     rt.barrier()
     return summary
+
+
+def _stop(
+    rt: Runtime,
+    saver: Checkpointer,
+    clock: LoopClock,
+    position: tuple[int, int, int],
+    loss_sum: Any = 0.0,
+    count: int = 0,
+) -> NoReturn:
+    """Stop on a signal: checkpoint ``position`` (epoch, batch, step), wait until it is
+    complete, and raise ``Stopped`` (nothing is saved twice for one position)."""
+    epoch, batch, step = position
+    with clock.measure("checkpoint"):
+        saver.save(epoch, batch, step, loss_sum, count)
+        saver.wait()
+    checkpoint = None
+    if saver.run_dir is not None:
+        checkpoint = saver.run_dir / CHECKPOINTS / checkpoint_name(step)
+    rt.exit_stopped(checkpoint, step)
 
 
 #: the evaluation batch is this many times the training batch

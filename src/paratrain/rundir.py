@@ -49,6 +49,16 @@ def read_status(directory: Path) -> str | None:
     return None
 
 
+def read_config(directory: Path) -> dict[str, Any] | None:
+    """The training configuration ``config.json`` records, or None (absent, unreadable)."""
+    try:
+        payload = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = payload.get("config") if isinstance(payload, dict) else None
+    return config if isinstance(config, dict) else None
+
+
 def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
     """Check and create the run directory. Refuses, touching nothing, to reuse one that
     already holds a run unless ``overwrite``; then only paratrain's own files go."""

@@ -16,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paratrain import faults, heartbeat
+from paratrain import faults, heartbeat, preemption
 from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
@@ -148,6 +151,7 @@ class Runtime:
         #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
         self.nonfinite = NonFiniteCheck()
         self._connected = False
+        self._stop: preemption.Request | None = None
         seed_everything(seed)
 
     @classmethod
@@ -413,6 +417,32 @@ class Runtime:
         self._connect()
         self.nonfinite.agree(self.strategy.collective, "barrier")
         self.strategy.collective.barrier()
+
+    # -- stopping on a signal ----------------------------------------------------------------
+    def should_stop(self) -> bool:
+        """Whether to stop after this step because SIGTERM, SIGUSR1 or Ctrl-C reached any
+        process (:mod:`paratrain.preemption`). Call it on every process at the same points,
+        once per optimizer step: the processes agree with one small all-reduce. The first
+        call installs the signal handlers; a second Ctrl-C still stops at once."""
+        self._connect()
+        self._stop = preemption.agree(self.strategy.collective)
+        return self._stop is not None
+
+    def exit_stopped(
+        self, checkpoint: str | os.PathLike[str] | None = None, step: int | None = None
+    ) -> NoReturn:
+        """After ``should_stop()`` and your ``rt.save``: print one line on the main process
+        (the signal, the step, the checkpoint, seconds since the signal) and raise
+        :class:`~paratrain.preemption.Stopped`, a ``SystemExit`` with code 128 + the
+        signal's number."""
+        request = self._stop or preemption.requested()
+        if request is None:
+            raise UserError("rt.exit_stopped() is for after rt.should_stop() returned True")
+        path = None if checkpoint is None else Path(checkpoint)
+        message = preemption.stop_message(request, step, path, time.time() - request.at)
+        if self.is_main:
+            print(message, file=sys.stderr, flush=True)
+        raise preemption.Stopped(request, message)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

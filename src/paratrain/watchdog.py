@@ -5,7 +5,7 @@ timeout, the watchdog blames the rank that is *behind*: the one with the fewest 
 the oldest beat), preferring ranks that are not inside a step's collectives. A rank that
 sleeps, or whose data ran out while the others wait for it in a collective, has stopped
 first, outside a collective; the others are blocked inside one. The blamed rank gets
-``SIGUSR1`` and writes its Python stack (faulthandler); then every rank is killed, and the
+``SIGUSR2`` and writes its Python stack (faulthandler); then every rank is killed, and the
 error carries that stack.
 
 A rank is watched from its first beat on: joining the group has its own timeout
@@ -106,9 +106,9 @@ class Watchdog:
 
     def _dump(self, stuck: Beat) -> str:
         path = stack_file(self.directory, stuck.rank)
-        if hasattr(signal, "SIGUSR1"):
+        if hasattr(signal, "SIGUSR2"):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(stuck.pid, signal.SIGUSR1)
+                os.kill(stuck.pid, signal.SIGUSR2)
             # faulthandler writes from its signal handler at once; a little grace for a
             # loaded machine, and done as soon as the stack is complete.
             deadline, size = time.monotonic() + _DUMP_SECONDS, -1

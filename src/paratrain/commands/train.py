@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from paratrain import run_lock, rundir
+from paratrain.agent import Nodes
+from paratrain.autoresume import plan, set_aside
 from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
@@ -17,6 +19,7 @@ from paratrain.commands.launch_options import (
 )
 from paratrain.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.elastic import start_agent
+from paratrain.errors import UserError
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
 from paratrain.recipes import get_recipe, recipe_names
@@ -114,6 +117,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", help="output directory; default runs/<recipe>-<timestamp>")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even if --out holds this run (which is otherwise continued); the "
+        "old run directory is renamed OUT.before-<time>",
+    )
+    p.add_argument(
         "--save-every", type=int, metavar="N", help="also checkpoint every N optimizer steps"
     )
     p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (3)")
@@ -196,6 +205,13 @@ def train_command(cfg: TrainConfig) -> int:
     return 0
 
 
+def _sets_up_out(nodes: Nodes) -> bool:
+    """Whether this process prepares --out: machine 0's launcher, or rank 0 under torchrun."""
+    if launched():
+        return os.environ.get("RANK", "0") == "0"
+    return nodes.node_rank == 0
+
+
 def run(args: argparse.Namespace) -> int:
     nodes = nodes_from_args(args)
     apply_to_environment(args)
@@ -204,13 +220,35 @@ def run(args: argparse.Namespace) -> int:
     directory = _run_directory(args)
     locks = directory is not None and nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
     with run_lock.hold(directory) if locks and directory else contextlib.nullcontext():
-        if getattr(args, "resume", None) is not None:
-            cfg = resume_config(args.resume, given_options(args))
+        return _run_locked(args, nodes)
+
+
+def _run_locked(args: argparse.Namespace, nodes: Nodes) -> int:
+    if getattr(args, "resume", None) is not None:
+        if getattr(args, "fresh", False):
+            raise UserError("--resume continues a run; --fresh would start over: drop one")
+        cfg = resume_config(args.resume, given_options(args))
+    else:
+        cfg = config_from_args(args)
+        if getattr(args, "fresh", False):
+            if _sets_up_out(nodes):
+                _set_aside_keeping_the_lock(cfg.out)
         else:
-            cfg = config_from_args(args)
-        if nodes.uses_agent and not launched():
-            return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
-        return train_command(cfg)
+            planned = plan(cfg, given_options(args))
+            if planned is None:
+                return 0  # this run, finished: nothing to do
+            cfg = planned
+    if nodes.uses_agent and not launched():
+        return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
+    return train_command(cfg)
+
+
+def _set_aside_keeping_the_lock(out: str | None) -> None:
+    """``--fresh``: move the previous run aside; the lock this command holds stays on --out."""
+    moved = set_aside(out)
+    if moved is not None and out is not None and (moved / run_lock.LOCK).exists():
+        Path(out).mkdir()
+        os.replace(moved / run_lock.LOCK, Path(out) / run_lock.LOCK)
 
 
 def _run_directory(args: argparse.Namespace) -> Path | None:
