@@ -7,7 +7,9 @@ paratrain chooses (default), one thread, and every core with OpenMP's default wa
 (torch's own default, what paratrain did before it chose), each without and with
 ``--competitors`` CPU-bound processes this script starts itself. The settings are
 interleaved, repeat by repeat, so that a change in the machine's load touches them all
-alike. Prints samples/s (median and range) and the contended/quiet ratio of each setting.
+alike. Prints samples/s (median and range) and the contended/quiet ratio of each setting;
+a run that takes longer than ``--timeout`` counts as that long (its figure is an upper
+bound: torch's default beside a competing process can take minutes).
 
 Acceptance: the default keeps >= 50% of its quiet throughput beside one competitor, and
 its quiet throughput is within 10% of the best setting's.
@@ -59,8 +61,9 @@ def competitors(count: int) -> Iterator[None]:
             proc.join()
 
 
-def train_once(setting: str, steps: int, out: str) -> float:
-    """One training run in a fresh process; its samples/s."""
+def train_once(setting: str, steps: int, out: str, timeout: float) -> float:
+    """One training run in a fresh process; its samples/s (a run that takes longer than
+    ``timeout`` counts as the samples it had to train over ``timeout``: an upper bound)."""
     extra, changes = SETTINGS[setting]
     env = dict(os.environ)
     for name, value in changes.items():
@@ -70,7 +73,10 @@ def train_once(setting: str, steps: int, out: str) -> float:
             env[name] = value
     command = [sys.executable, "-m", "paratrain", "train", "--strategy", "cpu"]
     command += ["--max-steps", str(steps), "--out", out, "--overwrite", "--no-progress", *extra]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return steps * 32 / timeout  # digits' batch of 32
     match = _SPEED.search(done.stdout)
     if done.returncode != 0 or match is None:
         raise SystemExit(f"{setting}: training failed:\n{done.stderr[-2000:]}")
@@ -82,6 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--competitors", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per run at most")
     args = parser.parse_args()
     print(
         f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start; "
@@ -94,9 +101,9 @@ def main() -> None:
                 for setting in SETTINGS:
                     if contended:
                         with competitors(args.competitors):
-                            speed = train_once(setting, args.steps, f"{tmp}/run")
+                            speed = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
                     else:
-                        speed = train_once(setting, args.steps, f"{tmp}/run")
+                        speed = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
                     figures.setdefault((setting, contended), []).append(speed)
                     state = "contended" if contended else "quiet"
                     print(f"  repeat {repeat + 1}: {setting}, {state}: {speed:,.0f} samples/s")
