@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paratrain.bench.loader import LoaderRow, LoaderSetting, recommend, worker_counts
+from paratrain.bench.noise import within_noise
 from paratrain.bench.stats import Spread
 from paratrain.cli import main
 
@@ -57,6 +58,25 @@ def test_a_slow_loader_is_the_bottleneck_and_workers_win() -> None:
     assert "data path limits training" in message and "tied" not in message
 
 
+def test_the_recommendation_follows_the_table() -> None:
+    # 0 workers trains slower; 1 and 2 tie: 1 is recommended, and the message says why
+    # fewer would not do, instead of claiming the data path never matters.
+    rows = [_row(0, 50.0, 8.0, 0.1), _row(1, 300.0, 10.0, 0.1), _row(2, 400.0, 10.1, 0.1)]
+    setting, bottleneck, message = recommend(rows, _s(10.5, 0.2))
+    assert setting == LoaderSetting(1, False) and not bottleneck
+    assert "fewer workers train slower (num_workers=0, pin_memory=False: 8.0" in message
+    for widths in ((0.1, 0.1, 0.1), (2.0, 0.1, 0.1), (0.1, 0.1, 3.0)):
+        rates = zip((0, 1, 2), (8.0, 10.0, 10.1), widths, strict=True)
+        rows = [_row(workers, 100.0, rate, width) for workers, rate, width in rates]
+        chosen, _, _ = recommend(rows, _s(10.5))
+        top = max(rows, key=lambda r: r.training.median)
+        picked = next(row for row in rows if row.setting == chosen)
+        # never slower than the table's fastest beyond noise, never dearer than needed
+        assert picked is top or within_noise(top.training, picked.training)
+        cheaper = [r for r in rows if r.setting.num_workers < chosen.num_workers]
+        assert not any(within_noise(top.training, r.training) for r in cheaper)
+
+
 def test_bench_loader_script_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "tiny.py"
     script.write_text(SCRIPT)
@@ -71,6 +91,8 @@ def test_bench_loader_script_json(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert row["loader_batches_per_second"]["count"] == 2
         assert row["training_batches_per_second"]["median"] > 0
     assert report["recommended"]["num_workers"] in (0, 1)
+    # from memory: one window before each training window of every setting
+    assert report["step_alone_batches_per_second"]["count"] == 4
     assert report["message"].startswith("use num_workers=")
     assert report["batch_size"] == 32 and report["source"] == "tiny"
 

@@ -4,6 +4,7 @@ three ways processes start, and device checks made before any process exists."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -251,18 +252,34 @@ def test_paratrain_run_starts_a_user_script(paratrain_cli: CLI, tmp_path: Path) 
             rt.print("done on", rt.world_size)
             if rt.is_main:
                 weights = [p.detach().flatten().tolist() for p in model.parameters()]
-                info = {"strategy": rt.strategy.name, "world": rt.world_size, "weights": weights}
+                info = {"strategy": rt.strategy.name, "world": rt.world_size, "weights": weights,
+                        "threads": torch.get_num_threads(),
+                        "threads_chosen": rt.describe()["threads"]}
                 open(sys.argv[1], "w").write(json.dumps(info))
             """
         )
     )
+    # Nobody set OMP_NUM_THREADS: paratrain chooses (one thread each on two cores), before
+    # torchrun would warn and choose 1 itself.
+    env = {k: v for k, v in subprocess_env().items() if k not in ("OMP_NUM_THREADS",)}
     result = paratrain_cli(
-        "run", str(script), str(tmp_path / "ddp.json"), "--strategy", "ddp", "--devices", "cpu,cpu"
+        "run",
+        str(script),
+        str(tmp_path / "ddp.json"),
+        "--strategy",
+        "ddp",
+        "--devices",
+        "cpu,cpu",
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("done on 2") == 1
+    assert "OMP_NUM_THREADS" not in result.stderr  # torchrun's warning
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     assert (ddp["strategy"], ddp["world"]) == ("ddp", 2)
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert 1 <= ddp["threads"] == ddp["threads_chosen"]["threads"] <= share
+    assert ddp["threads_chosen"]["wait_policy"] == "PASSIVE"
     # The same script without any launcher: one process on the CPU (where auto would pick a
     # GPU, PARATRAIN_STRATEGY says cpu), the same weights.
     plain = subprocess.run(

@@ -93,6 +93,8 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"
     #: pipeline: micro-batches per batch
     pipeline_microbatches: int = 4
+    #: intra-op threads of each process; None: chosen (paratrain.threads)
+    threads: int | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -116,6 +118,8 @@ class TrainConfig:
             _positive("--max-steps", cfg.max_steps)
         if cfg.save_every is not None:
             _positive("--save-every", cfg.save_every)
+        if cfg.threads is not None:
+            _positive("--threads", cfg.threads)
         _positive("--keep", cfg.keep)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)
@@ -156,6 +160,7 @@ class TrainConfig:
                 self.pipeline_schedule,
                 self.pipeline_microbatches,
             ),
+            threads=self.threads,
         )
 
     def speed_options(self) -> SpeedOptions:

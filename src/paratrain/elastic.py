@@ -26,6 +26,7 @@ from paratrain.errors import UserError
 from paratrain.recipes import get_recipe
 from paratrain.resume import resume_config
 from paratrain.strategies import build_strategy
+from paratrain.threads import choose_for
 from paratrain.training_state import latest_checkpoint
 
 CONFIG_VARIABLE = "PARATRAIN_TRAIN_CONFIG"
@@ -57,6 +58,8 @@ def start_agent(cfg: TrainConfig, nodes: Nodes) -> int:
         cfg.out = str(rundir.prepare(cfg.out, cfg.recipe, cfg.overwrite))
     cfg.strategy = strategy.name
     env = {CONFIG_VARIABLE: json.dumps(cfg.to_dict())}
+    # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
+    env.update(choose_for(strategy.num_processes, cfg.threads).child_environment())
     run_agent(["paratrain.entry", "train"], strategy.num_processes, env, nodes, "paratrain train")
     return 0
 

@@ -27,11 +27,10 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
@@ -70,7 +69,12 @@ _STOPPED = "stopped.json"
 
 
 def launch(
-    runtime: R, processes: int, rebuild: Callable[[], R], fn: Callable[..., T], *args: Any
+    runtime: R,
+    processes: int,
+    rebuild: Callable[[], R],
+    fn: Callable[..., T],
+    *args: Any,
+    environment: dict[str, str] | None = None,
 ) -> T | None:
     """Run ``fn(runtime, *args)`` in ``processes`` processes.
 
@@ -80,11 +84,29 @@ def launch(
     Returns ``fn``'s result in a one-process run and in a process a launcher started; after
     spawning processes, rank 0's result (it must be picklable). ``fn`` and ``args`` must be
     picklable too: define ``fn`` at the top level of a module, and guard the script's entry
-    point with ``if __name__ == "__main__":``.
+    point with ``if __name__ == "__main__":``. ``environment``: variables the spawned
+    processes get before they import anything (their threads, :mod:`paratrain.threads`).
     """
     if processes == 1 or launched():
         return fn(runtime, *args)
-    return spawn(rebuild, fn, args, processes)
+    with _environment(environment or {}):
+        return spawn(rebuild, fn, args, processes)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set while processes are spawned (they copy the environment when they
+    start), then put back as they were."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def free_port() -> int:
@@ -170,9 +192,6 @@ def _worker(
     )
     with contextlib.suppress(OSError):  # signals come from the launcher, once
         os.setpgid(0, 0)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Share the cores instead of every process using all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     try:
         runtime = rebuild()
         result = fn(runtime, *args)

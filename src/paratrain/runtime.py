@@ -33,7 +33,7 @@ from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
 from paratrain.determinism import make_deterministic, naming_nondeterministic, numerics_settings
 from paratrain.errors import PlacementError, UserError
-from paratrain.launch import launch
+from paratrain.launch import launch, launched
 from paratrain.loaders import DeviceLoader
 from paratrain.nonfinite import NonFiniteCheck
 from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
@@ -48,6 +48,7 @@ from paratrain.strategies import (
     check_sync_batchnorm,
     strategy_names,
 )
+from paratrain.threads import ThreadChoice, apply_here, choose_for
 from paratrain.training_state import load_state, save_model_weights, save_state
 from paratrain.uneven import join_uneven
 
@@ -74,8 +75,12 @@ class RuntimeConfig:
     batch_size_per: str = "global"
     #: what only some strategies read (fsdp's blocks)
     options: StrategyOptions = field(default_factory=StrategyOptions)
+    #: intra-op threads of each process; None: chosen (paratrain.threads)
+    threads: int | None = None
 
     def validate(self) -> RuntimeConfig:
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"threads must be at least 1, got {self.threads}")
         normalize_precision(self.precision)
         check_batch_size_per(self.batch_size_per)
         if self.accumulate < 1:
@@ -106,6 +111,7 @@ class Runtime:
         pipeline_split: Sequence[str] = (),
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int = 4,
+        threads: int | None = None,
     ) -> None:
         """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
@@ -115,7 +121,8 @@ class Runtime:
         shards as one unit each (default: the model's repeated layers); ``pipeline_split``
         (the modules that start stages 2, 3, ...; default: balanced by parameter count),
         ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
-        :mod:`paratrain.strategies.pipeline`."""
+        :mod:`paratrain.strategies.pipeline`; ``threads``: intra-op threads of each
+        process (default: chosen for the cores and the load, see :mod:`paratrain.threads`)."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -141,8 +148,13 @@ class Runtime:
                 pipeline_schedule,
                 pipeline_microbatches,
             ),
+            threads,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
+        #: this process's intra-op threads, and those of the processes it starts
+        self.threads: ThreadChoice = choose_for(self.strategy.num_processes, threads)
+        if self.strategy.num_processes == 1 or launched():  # before torch's pools start
+            apply_here(self.threads)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
         self.speed = Speed(speed, self.strategy)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
@@ -172,6 +184,7 @@ class Runtime:
             config.options.pipeline_split,
             config.options.pipeline_schedule,
             config.options.pipeline_microbatches,
+            config.threads,
         )
 
     @property
@@ -220,7 +233,10 @@ class Runtime:
         get ``fn`` and ``args`` pickled: define ``fn`` at the top level of a module.
         """
         rebuild = functools.partial(Runtime.from_config, self.config)
-        return launch(self, self.strategy.num_processes, rebuild, fn, *args)
+        processes = self.strategy.num_processes
+        return launch(
+            self, processes, rebuild, fn, *args, environment=self.threads.child_environment()
+        )
 
     # -- placing things ----------------------------------------------------------------------
     def setup(
@@ -485,5 +501,6 @@ class Runtime:
             "accumulate": self.accumulate_steps,
             "deterministic": self.config.deterministic,
             "numerics": numerics_settings(),
+            "threads": self.threads.describe(),
             **self.speed.describe(),
         }

@@ -2,7 +2,8 @@
 
 For every setting it times the loader alone (batches fetched and copied to the device) and
 the loader feeding real training steps; a step on a batch already in memory gives the speed
-the model could reach with a free data path. Workers persist across the data set's epochs,
+the model could reach with a free data path (timed window by window between the training
+windows, so that the same load touches both). Workers persist across the data set's epochs,
 so their start-up is paid once, before the timed windows, as in a long training run.
 """
 
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from paratrain.bench.memory import synchronize
+from paratrain.bench.noise import within_noise
 from paratrain.bench.stats import Spread, spread
 from paratrain.bench.task import BenchTask
 
@@ -155,18 +157,30 @@ def measure_loader(
     if device.type != "cuda":
         notes.append(PIN_NOTE)
     step = _Step(task, device)
-    # The ceiling: steps on one batch already on the device, no loader at all.
+    # The ceiling: steps on one batch already on the device, no loader at all. Timed in
+    # windows interleaved with every setting's training windows (a change in the machine's
+    # load touches both alike), after the same warm-up.
     first = next(iter(DataLoader(task.dataset, batch_size=batch_size, shuffle=True)))
     resident = _to(first, device, False)
     timing = (batches, warmup, repeats)
-    step_alone = _windows(lambda: step(resident), device, *timing)
-    rows = []
+    rows, alone = [], []
     for workers, pin in itertools.product(worker_counts(max_workers), pins):
         setting = LoaderSetting(workers, pin)
         if progress is not None:
             progress(setting.label)
-        rows.append(_measure_setting(task, step, device, setting, batch_size, timing))
+        row, resident_rates = _measure_setting(
+            task, step, resident, device, setting, batch_size, timing
+        )
+        rows.append(row)
+        alone += resident_rates
+    step_alone = spread(alone)
     recommended, bottleneck, message = recommend(rows, step_alone)
+    if any(row.training.median > step_alone.max for row in rows):
+        notes.append(
+            "training through a loader measured faster than the best window from memory, "
+            "which does less work: these figures are noise-bound (a busy machine?); rerun "
+            "with more --batches"
+        )
     return LoaderReport(
         str(device), batch_size, batches, rows, step_alone, recommended, bottleneck, message, notes
     )
@@ -175,11 +189,14 @@ def measure_loader(
 def _measure_setting(
     task: BenchTask,
     step: _Step,
+    resident: Any,
     device: torch.device,
     setting: LoaderSetting,
     batch_size: int,
     timing: tuple[int, int, int],
-) -> LoaderRow:
+) -> tuple[LoaderRow, list[float]]:
+    """The setting's row, and the from-memory rates timed between its training windows."""
+    batches, warmup, repeats = timing
     loader = DataLoader(
         task.dataset,
         batch_size=batch_size,
@@ -194,37 +211,49 @@ def _measure_setting(
         return _to(next(source), device, setting.pin_memory)
 
     loader_rate = _windows(fetch, device, *timing)
-    training_rate = _windows(lambda: step(fetch()), device, *timing)
-    return LoaderRow(setting, loader_rate, training_rate)
+    for _ in range(warmup):  # warm, as training is
+        step(resident)
+    training, alone = [], []
+    for _ in range(repeats):  # interleaved, window by window
+        alone.append(_windows(lambda: step(resident), device, batches, 0, 1).median)
+        training.append(_windows(lambda: step(fetch()), device, batches, 0, 1).median)
+    return LoaderRow(setting, loader_rate, spread(training)), alone
 
 
 def recommend(rows: list[LoaderRow], step_alone: Spread) -> tuple[LoaderSetting, bool, str]:
-    """(setting, is the data path the bottleneck, one sentence).
+    """(setting, is the data path the bottleneck, one sentence), read off the table itself.
 
-    The fastest training rate wins; settings whose spread overlaps it are a tie, and the
-    cheapest of those (fewest workers, no pinning) is recommended. The data path is not the
-    bottleneck when the best loader alone delivers batches twice as fast as steps on a batch
-    kept in memory consume them, or when training with it runs that fast (within noise).
+    The fastest training rate wins; settings within the noise of it
+    (:func:`paratrain.bench.noise.within_noise`) are a tie, and the cheapest of those
+    (fewest workers, no pinning) is recommended. The data path is not the bottleneck of the
+    recommended setting when training with it runs within 10% of steps on a batch kept in
+    memory (the ceiling), or its loader alone delivers batches twice as fast as that.
     """
     best = max(rows, key=lambda r: r.training.median)
-    ties = [r for r in rows if r is best or r.training.overlaps(best.training)]
+    ties = [r for r in rows if r is best or within_noise(best.training, r.training)]
     chosen = min(ties, key=lambda r: (r.setting.num_workers, r.setting.pin_memory))
-    fastest_loader = max(r.loader.median for r in rows)
     ceiling = step_alone.median
-    reaches_ceiling = best.training.max >= 0.9 * step_alone.min
-    bottleneck = not (fastest_loader >= 2 * ceiling or reaches_ceiling)
+    reaches_ceiling = chosen.training.median >= 0.9 * ceiling
+    bottleneck = not (chosen.loader.median >= 2 * ceiling or reaches_ceiling)
     tie = f" (tied with {len(ties) - 1} other setting(s) within the noise)" if len(ties) > 1 else ""
+    cheaper = [r for r in rows if r.setting.num_workers < chosen.setting.num_workers]
+    slower = ""
+    if cheaper:
+        worst = min(cheaper, key=lambda r: r.training.median)
+        slower = (
+            f"; fewer workers train slower ({worst.setting.label}: "
+            f"{worst.training.median:,.1f} batches/s)"
+        )
     if not bottleneck:
         message = (
-            f"use {chosen.setting.label}{tie}: the data path is not the bottleneck here; the "
-            f"loader delivers up to {fastest_loader:,.0f} batches/s while training steps alone "
-            f"run at {ceiling:,.1f}/s on a batch kept in memory, so more workers would not "
-            "train faster"
+            f"use {chosen.setting.label}{tie}: {chosen.training.median:,.1f} training "
+            f"batches/s against {ceiling:,.1f}/s for steps on a batch kept in memory; with it "
+            f"the data path is not the bottleneck, so more workers would not train faster{slower}"
         )
     else:
         message = (
             f"use {chosen.setting.label}{tie}: {chosen.training.median:,.1f} training "
             f"batches/s, against {ceiling:,.1f}/s for steps on a batch kept in memory; the "
-            "data path limits training"
+            f"data path limits training{slower}"
         )
     return chosen.setting, bottleneck, message

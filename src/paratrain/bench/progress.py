@@ -1,7 +1,10 @@
-"""The bench's progress bar: one tick per measured run, on stderr."""
+"""The bench's progress bar: one tick per measured run, on stderr; plain lines there
+when stderr is not a terminal (a log file, CI), where a bar would show nothing."""
 
 from __future__ import annotations
 
+import sys
+import time
 from types import TracebackType
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
@@ -13,7 +16,9 @@ class BenchProgress:
     def __init__(self, enabled: bool) -> None:
         self._progress: Progress | None = None
         self._task = TaskID(0)
-        if enabled:
+        self._lines = enabled and not sys.stderr.isatty()
+        self._start = time.perf_counter()
+        if enabled and not self._lines:
             self._progress = stderr_progress(
                 TextColumn("[bold]bench"),
                 BarColumn(),
@@ -28,6 +33,9 @@ class BenchProgress:
         return self
 
     def update(self, what: str, done: int, total: int) -> None:
+        if self._lines:
+            elapsed = time.perf_counter() - self._start
+            print(f"bench: [{done}/{total}] {what} ({elapsed:.0f}s)", file=sys.stderr, flush=True)
         if self._progress is not None:
             self._progress.update(self._task, description=what, completed=done, total=total)
 

@@ -1,5 +1,6 @@
 """The recommendation: the fastest combination that fits in memory, and whether it truly
-beat the runner-up or only tied within the measured noise.
+beat the runner-up or only tied within the measured noise (:mod:`paratrain.bench.noise`):
+a result within noise is never called a winner, and on a busy machine none is relied on.
 
 A pure function of the measurements, so it is tested with given timings.
 """
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paratrain.bench.noise import relative_spread, within_noise
 from paratrain.bench.stats import Spread, spread
 
 
@@ -22,6 +24,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Recommendation:
+    #: the fastest median; with ``tie`` or ``busy`` it is not a winner the bench vouches for
     winner: str | None
     runner_up: str | None = None
     #: how much faster the winner's median is than the runner-up's (0.12 = 12 %)
@@ -29,6 +32,8 @@ class Recommendation:
     tie: bool = False
     excluded: dict[str, str] = field(default_factory=dict)
     message: str = ""
+    #: measured on a busy machine: rerun before relying on it
+    busy: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -38,19 +43,19 @@ class Recommendation:
             "tie": self.tie,
             "excluded": dict(self.excluded),
             "message": self.message,
+            "busy": self.busy,
         }
 
 
 def is_tie(winner: Spread, runner_up: Spread) -> bool:
-    """Within the noise: the min-max ranges overlap, or the medians differ by less than the
-    narrower of the two spreads (the wider one may stem from a single outlier window)."""
-    difference = winner.median - runner_up.median
-    return winner.overlaps(runner_up) or difference < min(winner.width, runner_up.width)
+    """Within the noise (see :func:`paratrain.bench.noise.within_noise`)."""
+    return within_noise(winner, runner_up)
 
 
-def recommend(candidates: Sequence[Candidate]) -> Recommendation:
+def recommend(candidates: Sequence[Candidate], busy: bool = False) -> Recommendation:
     """Pick the fastest candidate that ran (``status == "ok"``); out-of-memory, failed and
-    skipped ones are excluded and listed with their status."""
+    skipped ones are excluded and listed with their status. ``busy``: the machine was busy
+    while measuring, which the message says."""
     excluded = {c.label: c.status for c in candidates if c.status != "ok"}
     measured = [
         (c.label, spread(c.samples_per_second))
@@ -77,20 +82,25 @@ def recommend(candidates: Sequence[Candidate]) -> Recommendation:
             winner=best_label,
             excluded=excluded,
             message=f"use {best_label}: {best.median:,.0f} samples/s, {why}",
+            busy=busy,
         )
     second_label, second = measured[1]
     margin = best.median / second.median - 1.0 if second.median > 0 else None
     tie = is_tie(best, second)
     percent = f"{margin:.1%}" if margin is not None else "n/a"
     if tie:
+        noise = max(relative_spread(best), relative_spread(second))
         message = (
-            f"tie: {best_label} ({best.median:,.0f} samples/s) and {second_label} "
-            f"({second.median:,.0f}) are within the measured noise ({percent} apart); "
-            "choose either"
+            f"tie, no winner: {best_label} ({best.median:,.0f} samples/s) and {second_label} "
+            f"({second.median:,.0f}) are within the measured noise (medians {percent} apart, "
+            f"repeats varying by up to {noise:.0%}); choose either, or rerun with more "
+            "--repeats"
         )
     else:
         message = (
             f"use {best_label}: {best.median:,.0f} samples/s, {percent} faster than "
             f"{second_label} ({second.median:,.0f})"
         )
-    return Recommendation(best_label, second_label, margin, tie, excluded, message)
+    if busy:
+        message = f"{message} (measured on a busy machine: rerun on a quiet one to be sure)"
+    return Recommendation(best_label, second_label, margin, tie, excluded, message, busy)

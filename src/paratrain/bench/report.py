@@ -101,6 +101,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "task": {"name": report.settings.source.name, "train_samples": report.train_samples},
         "results": [result_dict(r) for r in report.results],
         "recommendation": report.recommendation.to_dict(),
+        "load": report.load.to_dict(),
     }
 
 
@@ -168,4 +169,5 @@ def print_report(report: BenchReport, console: Console) -> None:
     )
     for line in notes(report):
         console.print(line, markup=False, highlight=False)
+    console.print(report.load.sentence(), markup=False, highlight=False)
     console.print(f"[bold]recommendation:[/bold] {report.recommendation.message}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.bench.combos import Combo, enumerate_combos
+from paratrain.bench.noise import MachineLoad, cores, gpu_processes, load_average, load_sample
 from paratrain.bench.recommend import Candidate, Recommendation, recommend
 from paratrain.bench.stats import spread, throughputs
 from paratrain.bench.task import TaskSource, check_task
@@ -97,6 +98,8 @@ class BenchReport:
     wall_seconds: float
     train_samples: int
     arguments: dict[str, Any] = field(default_factory=dict)  # the command line, parsed
+    #: other work on the machine, looked at between runs
+    load: MachineLoad = field(default_factory=lambda: MachineLoad(cores()))
 
 
 _LAUNCHER_VARIABLES = frozenset(
@@ -220,6 +223,7 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
         for c in combos
     ]
     pending = [r for r in results if r.status == "pending"]
+    averages, busy = [load_average()], [load_sample()]  # before any worker: others' work
     # Two re-timings are expected; fewer happen when fewer than two runs succeed.
     total, done = len(pending) + (2 if settings.retime and len(pending) > 1 else 0), 0
     for result in pending:
@@ -228,6 +232,7 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
         spec = _spec(settings, result.combo)
         result.spec = spec.to_dict()
         _apply(result, run_worker(spec, result.combo.processes, settings.timeout), False)
+        busy.append(load_sample())  # between runs: none of the bench's processes run
         done += 1
     leaders = top_two(results) if settings.retime else []
     if len(leaders) == 2:
@@ -236,13 +241,17 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
                 progress(f"{result.combo.label} (again)", done, total)
             spec = _spec(settings, result.combo)
             _apply(result, run_worker(spec, result.combo.processes, settings.timeout), True)
+            busy.append(load_sample())
             done += 1
     if progress is not None:
         progress("done", done, done)
+    averages.append(load_average())
+    load = MachineLoad(cores(), tuple(busy), tuple(averages), gpu_processes([os.getpid()]))
     return BenchReport(
         settings=settings,
         results=results,
-        recommendation=recommend([r.candidate() for r in results]),
+        recommendation=recommend([r.candidate() for r in results], load.is_busy),
+        load=load,
         started_at=started_at,
         finished_at=_now(),
         wall_seconds=time.perf_counter() - begin,

@@ -46,6 +46,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a bench.json in --out")
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--json", action="store_true", help="print bench.json's contents instead of the table"
+    )
     p.set_defaults(handler=run)
     micro = p.add_subparsers(dest="micro", metavar="{placement,crossover,loader}")
     _register_micro(micro)
@@ -98,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     with BenchProgress(enabled=not args.no_progress) as bar:
         report = run_bench(settings, bar.update)
     report.arguments = {k: v for k, v in vars(args).items() if not k.endswith("handler")}
+    if getattr(args, "json", False):
+        make_out(out)
+        print(write_json(report, out).read_text(encoding="utf-8"), end="")
+        return 0
     print_report(report, console)
     make_out(out)
     written = [write_json(report, out)]

@@ -28,6 +28,7 @@ from paratrain.commands.launch_options import (
 from paratrain.errors import UserError
 from paratrain.runtime import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
 from paratrain.strategies import build_strategy
+from paratrain.threads import choose_for
 
 
 def register(subparsers: Any) -> None:
@@ -126,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     RuntimeConfig(strategy=strategy, devices=devices).validate()
     built = build_strategy(strategy, devices)  # bad --devices fail here, before any process
     env = {STRATEGY_VARIABLE: built.name}
+    # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
+    env.update(choose_for(built.num_processes).child_environment())
     if devices is not None:
         env[DEVICES_VARIABLE] = devices
     entry = ["paratrain.entry", "run", args.script, *script_args]

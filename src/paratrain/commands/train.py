@@ -64,6 +64,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="reproducible on GPUs: deterministic algorithms, no TF32 (slower)",
     )
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="intra-op threads of each process (default: the free cores / processes)",
+    )
     p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
     p.add_argument(
         "--download",

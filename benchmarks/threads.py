@@ -1,0 +1,134 @@
+"""paratrain's default CPU training on a quiet machine and beside a competing process.
+
+    python benchmarks/threads.py [--steps 300] [--repeats 3] [--competitors 1]
+
+Runs ``paratrain train --strategy cpu`` (digits) in fresh processes, with the threads
+paratrain chooses (default), one thread, and every core with OpenMP's default wait policy
+(torch's own default, what paratrain did before it chose), each without and with
+``--competitors`` CPU-bound processes this script starts itself. The settings are
+interleaved, repeat by repeat, so that a change in the machine's load touches them all
+alike. Prints samples/s (median and range) and the contended/quiet ratio of each setting;
+a run that takes longer than ``--timeout`` counts as that long (its figure is an upper
+bound: torch's default beside a competing process can take minutes).
+
+Acceptance: the default keeps >= 50% of its quiet throughput beside one competitor, and
+its quiet throughput is within 10% of the best setting's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+#: setting name -> (extra train arguments, environment changes; None removes a variable)
+SETTINGS: dict[str, tuple[list[str], dict[str, str | None]]] = {
+    "paratrain default": ([], {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None}),
+    "OMP_NUM_THREADS=1": ([], {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": None}),
+    "all cores, spinning (torch default)": (
+        ["--threads", str(os.cpu_count() or 1)],
+        {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None},
+    ),
+}
+_SPEED = re.compile(r"\(([\d,]+) samples/s\)")
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def competitors(count: int) -> Iterator[None]:
+    """``count`` processes that each keep one core busy, for as long as the block runs."""
+    procs = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    time.sleep(0.5)  # running before training starts, as a job already there would be
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+
+
+def train_once(setting: str, steps: int, out: str, timeout: float) -> float:
+    """One training run in a fresh process; its samples/s (a run that takes longer than
+    ``timeout`` counts as the samples it had to train over ``timeout``: an upper bound)."""
+    extra, changes = SETTINGS[setting]
+    env = dict(os.environ)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    command = [sys.executable, "-m", "paratrain", "train", "--strategy", "cpu"]
+    command += ["--max-steps", str(steps), "--out", out, "--overwrite", "--no-progress", *extra]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return steps * 32 / timeout  # digits' batch of 32
+    match = _SPEED.search(done.stdout)
+    if done.returncode != 0 or match is None:
+        raise SystemExit(f"{setting}: training failed:\n{done.stderr[-2000:]}")
+    return float(match.group(1).replace(",", ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--competitors", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per run at most")
+    args = parser.parse_args()
+    print(
+        f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start; "
+        f"digits, {args.steps} steps, {args.repeats} repeats, interleaved"
+    )
+    figures: dict[tuple[str, bool], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for contended in (False, True):
+                for setting in SETTINGS:
+                    if contended:
+                        with competitors(args.competitors):
+                            speed = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
+                    else:
+                        speed = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
+                    figures.setdefault((setting, contended), []).append(speed)
+                    state = "contended" if contended else "quiet"
+                    print(f"  repeat {repeat + 1}: {setting}, {state}: {speed:,.0f} samples/s")
+    print(f"\n{'setting':38} {'quiet':>20} {'contended':>20} {'ratio':>6}")
+    best_quiet = max(statistics.median(figures[(s, False)]) for s in SETTINGS)
+    for setting in SETTINGS:
+        quiet, busy = figures[(setting, False)], figures[(setting, True)]
+        ratio = statistics.median(busy) / statistics.median(quiet)
+        print(f"{setting:38} {_cell(quiet):>20} {_cell(busy):>20} {ratio:6.0%}")
+    default_quiet = statistics.median(figures[("paratrain default", False)])
+    print(
+        f"\ndefault: {ratio_of(figures):.0%} of quiet throughput beside {args.competitors} "
+        f"competitor(s) (goal >= 50%); quiet {default_quiet / best_quiet:.0%} of the best "
+        "setting's (goal >= 90%)"
+    )
+
+
+def ratio_of(figures: dict[tuple[str, bool], list[float]]) -> float:
+    quiet = statistics.median(figures[("paratrain default", False)])
+    return statistics.median(figures[("paratrain default", True)]) / quiet
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+if __name__ == "__main__":
+    main()

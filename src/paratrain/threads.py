@@ -1,0 +1,148 @@
+"""How many intra-op threads each process paratrain runs uses, chosen on purpose.
+
+Left alone, torch gives every process one OpenMP thread per core, and OpenMP's threads
+spin while they wait. With one other busy process on the machine a spinning thread waits
+for a core it does not have, and a small model trains ~100x slower (2 cores, digits:
+108 samples/s instead of ~11,000). So paratrain chooses:
+
+* the cores this process may use, divided by the processes of the run, never more;
+* where other processes keep cores busy when the run starts, only the cores left free
+  (one thread at least): a thread that must wait for a core stalls every parallel region;
+* ``OMP_WAIT_POLICY=PASSIVE`` for the processes it starts (read by OpenMP when torch is
+  imported, so only a child can get it): a waiting thread sleeps instead of spinning, so
+  a machine that gets busy later costs a few times, not a hundred.
+
+An explicit choice wins: ``threads`` (``--threads``, ``Runtime(threads=...)``), then
+``OMP_NUM_THREADS`` set by the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: set by paratrain for the processes it starts: the thread count chosen for them
+CHOSEN_VARIABLE = "PARATRAIN_THREADS"
+#: why (one line), handed to the processes paratrain starts with the count
+REASON_VARIABLE = "PARATRAIN_THREADS_REASON"
+PASSIVE = "PASSIVE"
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The intra-op threads of each process of a run, and why."""
+
+    threads: int
+    #: OMP_WAIT_POLICY for the processes paratrain starts (this process keeps what it has)
+    wait_policy: str
+    #: "threads" (given), "OMP_NUM_THREADS" (the user's environment) or "chosen"
+    source: str
+    reason: str
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def child_environment(self) -> dict[str, str]:
+        """What a process paratrain starts needs before it imports torch."""
+        return {
+            "OMP_NUM_THREADS": str(self.threads),
+            "OMP_WAIT_POLICY": self.wait_policy,
+            CHOSEN_VARIABLE: str(self.threads),
+            REASON_VARIABLE: self.reason,
+        }
+
+
+def choose_threads(
+    cores: int,
+    processes: int,
+    busy: float,
+    requested: int | None = None,
+    inherited: str | None = None,
+) -> ThreadChoice:
+    """The thread count for each of ``processes`` processes on ``cores`` usable cores while
+    ``busy`` cores run other work (a pure function: the measuring is done by the caller).
+
+    ``requested``: an explicit count (wins); ``inherited``: ``OMP_NUM_THREADS`` as the user
+    set it (wins over the choice when it is a positive integer).
+    """
+    cores, processes = max(1, cores), max(1, processes)
+    share = max(1, cores // processes)
+    free = max(0.0, cores - busy)
+    contended = free < share * processes
+    if requested is not None:
+        return ThreadChoice(requested, PASSIVE, "threads", f"{requested} as asked")
+    if inherited is not None and inherited.strip().isdigit() and int(inherited) > 0:
+        count = int(inherited)
+        return ThreadChoice(count, PASSIVE, "OMP_NUM_THREADS", f"OMP_NUM_THREADS={count}")
+    if contended:
+        threads = max(1, min(share, int(free) // processes))
+        reason = (
+            f"{cores} cores, {busy:.1f} busy with other work, {processes} process(es): "
+            f"{threads} thread(s) each"
+        )
+    else:
+        threads = share
+        reason = f"{cores} cores / {processes} process(es): {threads} thread(s) each"
+    return ThreadChoice(threads, PASSIVE, "chosen", reason)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def busy_cores(samples: int = 5, interval: float = 0.01) -> float:
+    """How many cores other processes keep busy now: runnable tasks in ``/proc/loadavg``
+    less this one (the median of a few looks), else the 1-minute load average."""
+    looks: list[int] = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as handle:
+                running = int(handle.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            break
+        looks.append(max(0, running - 1))  # this process is running while it reads
+        if i + 1 < samples:
+            time.sleep(interval)
+    if looks:
+        return float(sorted(looks)[len(looks) // 2])
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def inherited_choice() -> ThreadChoice | None:
+    """The choice paratrain made for this process when it started it, if it did."""
+    chosen = os.environ.get(CHOSEN_VARIABLE, "")
+    if not chosen.isdigit() or int(chosen) < 1:
+        return None
+    policy = os.environ.get("OMP_WAIT_POLICY", "") or "default"
+    reason = os.environ.get(REASON_VARIABLE, "") or f"{chosen} thread(s), set by the launcher"
+    return ThreadChoice(int(chosen), policy, "chosen", reason)
+
+
+def choose_for(processes: int, requested: int | None = None) -> ThreadChoice:
+    """The choice for a run of ``processes`` processes started from this one, measured now."""
+    inherited = inherited_choice()
+    if requested is None and inherited is not None:
+        return inherited
+    given = os.environ.get("OMP_NUM_THREADS")
+    busy = 0.0 if requested is not None or given else busy_cores()  # measured when needed
+    choice = choose_threads(usable_cores(), processes, busy, requested, given)
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return dataclasses.replace(choice, wait_policy=policy) if policy else choice
+
+
+def apply_here(choice: ThreadChoice) -> None:
+    """This process's intra-op threads (its wait policy was fixed when torch was imported)."""
+    import torch
+
+    if torch.get_num_threads() != choice.threads:
+        torch.set_num_threads(choice.threads)

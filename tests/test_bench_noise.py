@@ -1,0 +1,71 @@
+"""How sure `paratrain bench` is (no device: synthetic timings and loads): a result within
+the noise is never called a winner, and a busy machine is said plainly."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.bench.noise import MachineLoad, relative_spread, within_noise
+from paratrain.bench.progress import BenchProgress
+from paratrain.bench.recommend import Candidate, recommend
+from paratrain.bench.stats import spread
+
+
+def test_a_gap_wider_than_the_noise_is_a_winner() -> None:
+    rec = recommend([Candidate("a", "ok", [1000, 1010, 990]), Candidate("b", "ok", [800, 800])])
+    assert rec.winner == "a" and not rec.tie and not rec.busy
+    assert rec.message.startswith("use a: 1,000 samples/s, 25.0% faster than b")
+
+
+def test_the_busy_bench_of_the_report_is_no_winner() -> None:
+    # Three runs on a busy machine gave cpu 102, 999 and 1,110 samples/s: medians far apart
+    # are still noise when the repeats vary that much.
+    rec = recommend(
+        [Candidate("cpu", "ok", [102, 999, 1110]), Candidate("ddpx2", "ok", [470, 480, 460])]
+    )
+    assert rec.tie
+    assert rec.message.startswith("tie, no winner: cpu (999 samples/s) and ddpx2 (470)")
+    assert "repeats varying by up to 101%" in rec.message and "use " not in rec.message
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "noise"),
+    [
+        ([100, 101, 102], [97.5, 98, 98.5], True),  # 3% apart, tight: below the noise floor
+        ([100, 101, 102], [90, 91, 92], False),  # 11% apart, tight: a real difference
+        ([100, 130, 115], [95, 100, 99], True),  # ranges overlap
+        ([111, 140, 125], [90, 110, 108], True),  # gap smaller than the narrower spread
+    ],
+)
+def test_within_noise(a: list[float], b: list[float], noise: bool) -> None:
+    assert within_noise(spread(a), spread(b)) is noise
+
+
+def test_relative_spread() -> None:
+    assert relative_spread(spread([90, 100, 110])) == pytest.approx(0.2)
+    assert relative_spread(spread([0.0])) == float("inf")
+
+
+def test_a_busy_machine_is_said_plainly_with_the_advice_to_rerun() -> None:
+    busy = MachineLoad(cores=2, busy=(1.0, 2.0, 1.0, 0.0), load_average=(3.2, 4.1))
+    assert busy.is_busy and busy.busy_median == 1.0
+    assert busy.sentence() == (
+        "the machine was busy: other work kept 1.0 of 2 cores busy (load average 3.2, 4.1 "
+        "on 2 cores). These figures are not reliable: rerun the bench on a quiet machine"
+    )
+    quiet = MachineLoad(cores=2, busy=(0.0, 1.0, 0.0), load_average=(0.1, 0.9))
+    assert not quiet.is_busy and quiet.sentence().startswith("the machine was quiet")
+    gpu = MachineLoad(cores=8, busy=(0.0,), gpu_processes=(4242,))
+    assert gpu.is_busy and "other processes on the GPU (4242)" in gpu.sentence()
+    assert busy.to_dict()["is_busy"] is True
+    rec = recommend([Candidate("a", "ok", [1000, 1001]), Candidate("b", "ok", [500])], True)
+    assert rec.busy and "measured on a busy machine: rerun on a quiet one" in rec.message
+
+
+def test_progress_lines_where_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    with BenchProgress(enabled=True) as bar:
+        bar.update("cpu 32 b32", 0, 3)
+    assert capsys.readouterr().err.startswith("bench: [0/3] cpu 32 b32 (")
+    with BenchProgress(enabled=False) as bar:
+        bar.update("cpu 32 b32", 0, 3)
+    assert capsys.readouterr().err == ""
