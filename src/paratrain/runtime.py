@@ -62,7 +62,8 @@ class RuntimeConfig:
     strategy: str = "auto"
     devices: str | None = None
     precision: str = "32"
-    seed: int = 0
+    #: None: the random generators are left as the script set them (see paratrain.seeding)
+    seed: int | None = None
     accumulate: int = 1
     sync_batchnorm: bool = False
     deterministic: bool = False
@@ -91,7 +92,7 @@ class Runtime:
         strategy: str = "auto",
         devices: str | int | None = None,
         precision: str = "32",
-        seed: int = 0,
+        seed: int | None = None,
         accumulate: int = 1,
         sync_batchnorm: bool = False,
         deterministic: bool = False,
@@ -104,7 +105,11 @@ class Runtime:
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int = 4,
     ) -> None:
-        """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
+        """``seed``: None (default) leaves every random generator as the script set it, and
+        loaders draw their order from them as torch's DataLoader does; an int seeds Python,
+        NumPy and torch with it, and loaders shuffle with their own generator seeded with
+        ``seed + epoch`` (see :mod:`paratrain.loaders`).
+        ``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
         ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
         (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.speed`; ``fsdp_blocks``: class
@@ -148,7 +153,8 @@ class Runtime:
         #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
         self.nonfinite = NonFiniteCheck()
         self._connected = False
-        seed_everything(seed)
+        if seed is not None:
+            seed_everything(seed)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> Runtime:
@@ -308,7 +314,12 @@ class Runtime:
             data_path=data_path,
             device_budget_gib=device_budget_gib,
             batch_size=batch_size,
+            agree=self._agree_seed if self.world_size > 1 else None,
         )
+
+    def _agree_seed(self, seed: int) -> int:
+        """Rank 0's draw of a loader's permutation seed, on every process."""
+        return int(self.broadcast_object(seed))
 
     def to_device(self, obj: T) -> T:
         """Move tensors (nested in tuples, lists, dicts) to this process's device."""
