@@ -22,12 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.collective_order import REPORT_DIR_VARIABLE
 from paratrain.errors import LaunchError, UserError
 from paratrain.heartbeat import DIRECTORY_VARIABLE
 from paratrain.watchdog import Watchdog, WatchdogThread, hang_timeout
 
 #: where the processes leave a one-line error for this launcher (see :mod:`paratrain.entry`)
-REPORT_VARIABLE = "PARATRAIN_REPORT_DIR"
+REPORT_VARIABLE = REPORT_DIR_VARIABLE
 LOOPBACK = "127.0.0.1"
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from paratrain import heartbeat
+from paratrain import collective_order, heartbeat
 from paratrain.errors import LaunchError, UserError
 from paratrain.strategies.distributed import launched
 from paratrain.watchdog import POLL_SECONDS, Watchdog, hang_timeout
@@ -144,6 +144,7 @@ def _worker(
     if watched:
         os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
         heartbeat.arm(rank)
+    os.environ[collective_order.LAUNCH_DIR_VARIABLE] = tmp  # where its one-line error goes
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
