@@ -49,8 +49,8 @@ def _train(rt: paratrain.Runtime, batch_size: int) -> dict[str, Any]:
 
 
 def test_accumulation_skips_all_reduces_and_matches_the_big_batch() -> None:
-    big = paratrain.Runtime(strategy="cpu").launch(_train, GLOBAL_BATCH)
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", accumulate=ACCUMULATE)
+    big = paratrain.Runtime(strategy="cpu", seed=0).launch(_train, GLOBAL_BATCH)
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", accumulate=ACCUMULATE, seed=0)
     accumulated = rt.launch(_train, GLOBAL_BATCH // ACCUMULATE)
     assert big is not None and accumulated is not None
     assert accumulated["micro"] == ACCUMULATE * accumulated["steps"] == ACCUMULATE * big["steps"]

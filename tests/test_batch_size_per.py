@@ -46,10 +46,10 @@ def _train(rt: paratrain.Runtime, batch_size: int) -> dict[str, Any]:
 
 
 def test_ddp_batch_per_process_equals_one_process_with_the_global_batch() -> None:
-    one = paratrain.Runtime(strategy="cpu").launch(_train, 32)
-    ddp = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", batch_size_per="process").launch(
-        _train, 16
-    )
+    one = paratrain.Runtime(strategy="cpu", seed=0).launch(_train, 32)
+    ddp = paratrain.Runtime(
+        strategy="ddp", devices="cpu,cpu", batch_size_per="process", seed=0
+    ).launch(_train, 16)
     assert one is not None and ddp is not None
     assert ddp["global_batches"] == one["global_batches"] == [32, 32, 32, 4] * 2
     diff = max((ddp["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
@@ -61,7 +61,7 @@ def test_one_process_and_dataparallel_batches_are_unchanged() -> None:
     # dp and dp-balanced are one process that splits its batch: the two meanings agree.
     data = TensorDataset(torch.arange(20.0).unsqueeze(1))
     for strategy, devices in (("cpu", None), ("dp-balanced", "cpu,cpu")):
-        rt = paratrain.Runtime(strategy=strategy, devices=devices, batch_size_per="process")
+        rt = paratrain.Runtime(strategy=strategy, devices=devices, batch_size_per="process", seed=0)
         loader = rt.setup_loader(DataLoader(data, batch_size=8))
         assert [len(x) for (x,) in loader] == [8, 8, 4]
 
@@ -70,7 +70,7 @@ def test_global_batch_arithmetic_and_bad_values() -> None:
     assert global_batch_size(16, "process", 4) == 64
     assert global_batch_size(16, "global", 4) == 16
     with pytest.raises(UserError, match="batch_size_per must be one of global, process"):
-        paratrain.Runtime(strategy="cpu", batch_size_per="device")
+        paratrain.Runtime(strategy="cpu", batch_size_per="device", seed=0)
 
 
 def test_cli_batch_size_per_process(

@@ -189,7 +189,7 @@ def test_a_generator_the_user_passed_stays_in_step() -> None:
     states = []
     for data_path in ("loader", "batched"):
         generator = torch.Generator().manual_seed(3)
-        loader = paratrain.Runtime(strategy="cpu").setup_loader(
+        loader = paratrain.Runtime(strategy="cpu", seed=0).setup_loader(
             DataLoader(_tensors(20), batch_size=6, shuffle=True, generator=generator),
             data_path=data_path,
         )
@@ -229,7 +229,7 @@ CANNOT_BATCH = {
 
 
 def test_auto_cuts_tensor_batches_on_the_cpu() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     assert rt.setup_loader(DataLoader(_tensors(8), 4)).data_path == "batched"
     assert rt.setup_loader(DataLoader(_cifar_bytes(8), 4), evaluation=True).data_path == "batched"
     assert rt.setup_loader(DataLoader(_tensors(8), 4), data_path="loader").data_path == "loader"
@@ -238,7 +238,7 @@ def test_auto_cuts_tensor_batches_on_the_cpu() -> None:
 @pytest.mark.parametrize("case", sorted(CANNOT_BATCH))
 def test_auto_falls_back_and_batched_says_why(case: str) -> None:
     build, reason = CANNOT_BATCH[case]
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     assert rt.setup_loader(build()).data_path == "loader"
     for data_path in ("batched", "device"):
         with pytest.raises(UserError, match=reason) as info:
@@ -255,7 +255,7 @@ def test_auto_falls_back_and_batched_says_why(case: str) -> None:
     ],
 )
 def test_bad_data_path_arguments(kwargs: dict[str, Any], message: str) -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     with pytest.raises(UserError, match=message):
         rt.setup_loader(DataLoader(_tensors(8), 4), **kwargs)
 
@@ -338,7 +338,7 @@ def test_cuda_batched_and_device_paths_equal_loader(world: int) -> None:
                 other, sink = _setup(dataset, data_path, **where)
                 assert other.data_path == data_path
                 _assert_same(_record(other, sink), expected)
-    rt = paratrain.Runtime(strategy="cuda")
+    rt = paratrain.Runtime(strategy="cuda", seed=0)
     assert rt.setup_loader(DataLoader(_tensors(8), 4)).data_path == "device"
     batched = rt.setup_loader(DataLoader(_tensors(8), 4), data_path="batched")
     assert batched.data_path == "batched"

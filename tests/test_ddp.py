@@ -53,7 +53,7 @@ def test_bad_devices_are_user_errors(spec: str, message: str) -> None:
 
 
 def test_several_processes_without_a_launcher_is_a_user_error() -> None:
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
     with pytest.raises(UserError, match=r"rt\.launch"):
         rt.setup(nn.Linear(2, 2))
 
@@ -67,7 +67,7 @@ def test_a_torchrun_environment_selects_ddp_and_its_process_count(
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_PORT", "1")
     assert resolve_auto(None) == "ddp"
-    rt = paratrain.Runtime(devices="cpu,cpu")  # nothing joins before setup
+    rt = paratrain.Runtime(devices="cpu,cpu", seed=0)  # nothing joins before setup
     assert (rt.strategy.name, rt.rank, rt.world_size) == ("ddp", 1, 2)
     assert rt.device == torch.device("cpu")  # this process's entry of --devices
     with pytest.raises(UserError, match="launcher started 2"):
@@ -122,8 +122,10 @@ def _collectives_and_data(rt: paratrain.Runtime) -> dict[str, Any]:
 
 
 def test_collectives_evaluation_and_epoch_order_with_three_processes() -> None:
-    three = paratrain.Runtime(strategy="ddp", devices="cpu,cpu,cpu").launch(_collectives_and_data)
-    one = paratrain.Runtime(strategy="cpu").launch(_collectives_and_data)
+    three = paratrain.Runtime(strategy="ddp", devices="cpu,cpu,cpu", seed=0).launch(
+        _collectives_and_data
+    )
+    one = paratrain.Runtime(strategy="cpu", seed=0).launch(_collectives_and_data)
     assert three is not None and one is not None
     assert (three["rank"], three["world"], three["strategy"]) == (0, 3, "ddp")
     assert three["sum"] == [6.0, -6.0]
@@ -169,11 +171,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_sync_batchnorm_restores_one_process_results() -> None:
-    one = paratrain.Runtime(strategy="cpu").launch(_batchnorm_run)
-    plain = paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(_batchnorm_run)
-    synced = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", sync_batchnorm=True).launch(
-        _batchnorm_run
-    )
+    one = paratrain.Runtime(strategy="cpu", seed=0).launch(_batchnorm_run)
+    plain = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0).launch(_batchnorm_run)
+    synced = paratrain.Runtime(
+        strategy="ddp", devices="cpu,cpu", sync_batchnorm=True, seed=0
+    ).launch(_batchnorm_run)
     assert one is not None and plain is not None and synced is not None
     plain_diff = _max_diff(one["weights"], plain["weights"])
     synced_diff = _max_diff(one["weights"], synced["weights"])
@@ -238,7 +240,7 @@ def test_paratrain_run_starts_a_user_script(paratrain_cli: CLI, tmp_path: Path) 
             from torch.utils.data import DataLoader, TensorDataset
             import paratrain
 
-            rt = paratrain.Runtime(strategy="auto")
+            rt = paratrain.Runtime(strategy="auto", seed=0)
             torch.manual_seed(0)
             model = nn.Linear(3, 1)
             model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -324,7 +326,7 @@ def _gpu_run(rt: paratrain.Runtime) -> dict[str, Any]:
 
 @pytest.mark.cuda
 def test_ddp_on_one_gpu_uses_nccl() -> None:
-    result = paratrain.Runtime(strategy="ddp", devices="cuda:0").launch(_gpu_run)
+    result = paratrain.Runtime(strategy="ddp", devices="cuda:0", seed=0).launch(_gpu_run)
     assert result == {"backend": "nccl", "device": "cuda:0", "total": [1.0, 1.0], "devices": [0]}
 
 
@@ -341,7 +343,7 @@ def test_a_count_and_auto_mean_gpus_where_there_are_two() -> None:
 @pytest.mark.cuda
 @pytest.mark.cuda2
 def test_ddp_on_two_gpus_runs_one_process_per_gpu() -> None:
-    result = paratrain.Runtime(strategy="ddp", devices="0,1").launch(_gpu_run)
+    result = paratrain.Runtime(strategy="ddp", devices="0,1", seed=0).launch(_gpu_run)
     assert result == {
         "backend": "nccl",
         "device": "cuda:0",

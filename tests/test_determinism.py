@@ -1,4 +1,4 @@
-"""Deterministic mode: `--deterministic` / `Runtime(deterministic=True)`.
+"""Deterministic mode: `--deterministic` / `Runtime(deterministic=True, seed=0)`.
 
 It changes process-wide torch settings, so the library-level checks run in a fresh Python
 process. On the CPU the defaults are already deterministic; the tests that matter most run
@@ -67,7 +67,7 @@ def test_runtime_turns_on_deterministic_algorithms_and_turns_off_tf32(tmp_path: 
         """
         import torch, paratrain
         assert not torch.are_deterministic_algorithms_enabled()
-        rt = paratrain.Runtime(strategy="cpu", deterministic=True)
+        rt = paratrain.Runtime(strategy="cpu", deterministic=True, seed=0)
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert rt.config.deterministic
@@ -112,7 +112,7 @@ def test_an_operation_without_a_deterministic_implementation_is_named(tmp_path: 
 
 
         def attempt(model, loss_fn, backward_op=False):
-            rt = paratrain.Runtime(strategy="cpu", deterministic=True)
+            rt = paratrain.Runtime(strategy="cpu", deterministic=True, seed=0)
             model, loss_fn = rt.setup(model, loss_fn=loss_fn)
             try:
                 out = model(torch.randn(4, 3))
@@ -148,7 +148,7 @@ def test_other_errors_pass_through_unchanged(tmp_path: Path) -> None:
     result = _python(
         """
         import torch, paratrain
-        rt = paratrain.Runtime(strategy="cpu", deterministic=True)
+        rt = paratrain.Runtime(strategy="cpu", deterministic=True, seed=0)
         model = rt.setup(torch.nn.Linear(3, 2))
         try:
             model(torch.randn(4, 5))

@@ -103,7 +103,7 @@ def test_dp_replicas_run_under_the_callers_autocast_dtype() -> None:
             dtypes.append(out.dtype)
             return out
 
-    rt = paratrain.Runtime(strategy="dp", devices="cuda:0,cuda:0", precision="bf16")
+    rt = paratrain.Runtime(strategy="dp", devices="cuda:0,cuda:0", precision="bf16", seed=0)
     model = rt.setup(Probe(4, 2))
     out = model(torch.randn(6, 4, device=rt.device))
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # torch's own threads would use fp16

@@ -91,7 +91,7 @@ def test_user_loop_with_dict_outputs_and_kwargs_matches_cpu() -> None:
 
 
 def test_outputs_are_per_device_and_gather_to_the_whole_batch() -> None:
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu,cpu")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu,cpu", seed=0)
     model = DictModel()
     reference = copy.deepcopy(model)
     wrapped, _ = rt.setup(model, loss_fn=dict_loss)
@@ -108,7 +108,7 @@ def test_outputs_are_per_device_and_gather_to_the_whole_batch() -> None:
 
 @pytest.mark.parametrize("rows", [2, 7, 9])
 def test_loss_equals_whole_batch_loss_for_uneven_and_short_batches(rows: int) -> None:
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu,cpu")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu,cpu", seed=0)
     model = nn.Linear(5, 4)
     reference = copy.deepcopy(model)
     wrapped, loss_fn = rt.setup(model, loss_fn=nn.CrossEntropyLoss())
@@ -126,7 +126,7 @@ def test_loss_equals_whole_batch_loss_for_uneven_and_short_batches(rows: int) ->
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 def test_sum_and_none_reductions(reduction: str) -> None:
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", seed=0)
     model = nn.Linear(3, 2)
     wrapped, loss_fn = rt.setup(model, loss_fn=nn.CrossEntropyLoss(reduction=reduction))
     x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
@@ -147,7 +147,7 @@ def test_tuple_outputs_and_several_targets() -> None:
         return F.cross_entropy(out[0], y) + F.mse_loss(out[1], t)
 
     model = TwoHeads()
-    wrapped, loss_fn = paratrain.Runtime("dp-balanced", "cpu,cpu,cpu").setup(
+    wrapped, loss_fn = paratrain.Runtime("dp-balanced", "cpu,cpu,cpu", seed=0).setup(
         model, loss_fn=two_losses
     )
     x, y, t = torch.randn(8, 3), torch.randint(0, 2, (8,)), torch.randn(8, 1)
@@ -184,7 +184,7 @@ def test_autocast_is_reentered_in_every_forward_and_loss_thread() -> None:
         record("loss", out)
         return F.mse_loss(out, y)
 
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", precision="bf16")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", precision="bf16", seed=0)
     model, loss_fn = rt.setup(Probe(), loss_fn=probe_loss)
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     with rt.autocast():
@@ -212,7 +212,7 @@ def test_worker_exception_names_the_device() -> None:
                 raise ValueError("part too short")
             return super().forward(x)
 
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", seed=0)
     model, _ = rt.setup(FailsOnShortParts(2, 2), loss_fn=nn.MSELoss())
     with pytest.raises(ValueError, match=r"part too short \(on cpu, part 2 of 2\)"):
         model(torch.randn(5, 2))
@@ -222,7 +222,7 @@ def test_batchnorm_normalizes_per_part_and_keeps_first_part_running_stats() -> N
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
     first, second = copy.deepcopy(model), copy.deepcopy(model)
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", seed=0)
     wrapped, loss_fn = rt.setup(model, loss_fn=nn.MSELoss())
     x, y = torch.randn(10, 4), torch.randn(10, 1)
     loss_fn(wrapped(x), y).backward()
@@ -240,7 +240,7 @@ def test_batchnorm_normalizes_per_part_and_keeps_first_part_running_stats() -> N
 
 
 def test_setup_without_a_loss_function_is_refused() -> None:
-    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", seed=0)
     with pytest.raises(UserError, match="loss function"):
         rt.setup(nn.Linear(2, 2))
 

@@ -134,7 +134,7 @@ def _fsdp_in_each_process(rt: paratrain.Runtime, folder: str) -> list[float]:
 
 
 def test_each_process_holds_its_share_and_checkpoints_are_full(tmp_path: Path) -> None:
-    rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu", seed=0)
     result = rt.launch(_fsdp_in_each_process, str(tmp_path))
     assert result is not None
     held, blocks, same, same_momentum, exact = result

@@ -99,7 +99,7 @@ def test_paratrain_run_checks_devices_before_starting(
 
 
 def test_launch_needs_a_picklable_function() -> None:
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
     with pytest.raises(UserError, match="top level"):
         rt.launch(lambda rt: None)
 
@@ -117,7 +117,7 @@ def _raise_on_rank_one(rt: paratrain.Runtime) -> None:
 @pytest.mark.timeout(90)  # a hang here is the bug under test
 def test_an_exception_names_the_rank_and_its_traceback() -> None:
     with pytest.raises(LaunchError) as info:
-        paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(_raise_on_rank_one)
+        paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0).launch(_raise_on_rank_one)
     message = str(info.value)
     assert message.startswith("rank 1 (pid ")
     assert "Traceback (most recent call last)" in message
@@ -138,7 +138,7 @@ def test_a_rank_that_never_joins_fails_the_run(
 ) -> None:
     monkeypatch.setenv("PARATRAIN_INIT_TIMEOUT", "3")
     with pytest.raises(LaunchError) as info:
-        paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(
+        paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0).launch(
             _hang_before_joining, str(tmp_path)
         )
     message = str(info.value)

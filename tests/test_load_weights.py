@@ -178,7 +178,7 @@ def _load_in_rank(rt: paratrain.Runtime, path: str) -> bool:
 def test_loads_into_ddp_in_two_gloo_processes(sources: dict[str, Any]) -> None:
     """Every rank reads the same DataParallel-saved file into its DDP model."""
     path = str(sources["module. (DataParallel)"])
-    runtime = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    runtime = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
     assert runtime.launch(_load_in_rank, path) is True
 
 

@@ -57,7 +57,7 @@ def test_detached_copy_shares_nothing_with_the_original() -> None:
 
 
 def _checkpointer(run: Path, model: nn.Module) -> Checkpointer:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     cfg = TrainConfig(recipe="linear").resolved(recipes.get_recipe)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)

@@ -58,7 +58,7 @@ USER_SCRIPT = textwrap.dedent(
     import paratrain
 
     mode = sys.argv[1]
-    rt = paratrain.Runtime(strategy="auto")
+    rt = paratrain.Runtime(strategy="auto", seed=0)
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -252,7 +252,7 @@ UNEVEN_SCRIPT = textwrap.dedent(
     from torch import nn
     import paratrain
 
-    rt = paratrain.Runtime(strategy="auto")
+    rt = paratrain.Runtime(strategy="auto", seed=0)
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -134,7 +134,7 @@ def test_rt_save_and_load_resume_a_users_loop_exactly(tmp_path: Path) -> None:
 
 
 def test_rt_save_plain_names_and_clear_errors(tmp_path: Path) -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     wrapped = cpu_data_parallel(nn.Linear(2, 2))
     rt.save(tmp_path / "sub" / "s.pt", {"net": wrapped, "note": "hi", "t": torch.ones(2)})
     assert not [p for p in (tmp_path / "sub").iterdir() if p.name != "s.pt"]  # no temp file
@@ -169,7 +169,7 @@ def _save_and_load_in_each_process(rt: paratrain.Runtime, path: str) -> list[lis
 
 
 def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
     result = rt.launch(_save_and_load_in_each_process, str(tmp_path / "state.pt"))
     assert result is not None
     (r0, r1) = result

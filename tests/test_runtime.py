@@ -41,14 +41,14 @@ def test_strategies_lists_the_registry() -> None:
 def test_auto_picks_cpu_without_accelerators() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    rt = paratrain.Runtime()
+    rt = paratrain.Runtime(seed=0)
     assert rt.device == torch.device("cpu")
     assert (rt.rank, rt.world_size, rt.is_main) == (0, 1, True)
     assert rt.strategy.name in ("cpu", "mps")
 
 
 def test_setup_returns_what_it_was_given_in_order() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.MSELoss()
@@ -79,7 +79,7 @@ def test_same_seed_gives_identical_weights() -> None:
 
 
 def test_loader_reshuffles_every_epoch_without_set_epoch() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     dataset = TensorDataset(torch.arange(32))
     loader = rt.setup_loader(DataLoader(dataset, batch_size=32, shuffle=True))
     orders = [next(iter(loader))[0].tolist() for _ in range(3)]
@@ -89,14 +89,14 @@ def test_loader_reshuffles_every_epoch_without_set_epoch() -> None:
 
 
 def test_unshuffled_loader_keeps_order_and_all_samples() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     loader = rt.setup_loader(DataLoader(TensorDataset(torch.arange(10)), batch_size=4))
     assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert len(loader) == 3
 
 
 def test_batches_arrive_on_the_runtime_device() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     dataset = TensorDataset(torch.randn(8, 3), torch.arange(8))
     loader = rt.setup_loader(DataLoader(dataset, batch_size=4, collate_fn=_dict_collate))
     batch = next(iter(loader))
@@ -110,21 +110,21 @@ def _dict_collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, t
 
 
 def test_input_on_another_device_gets_a_clear_error() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     model = rt.setup(nn.Linear(3, 2))
     with pytest.raises(PlacementError, match=r"rt\.setup_loader"):
         model(torch.randn(4, 3, device="meta"))
 
 
 def test_optimizer_of_another_model_is_refused() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(UserError, match="not the model's"):
         rt.setup(nn.Linear(2, 2), optimizer)
 
 
 def test_optimizer_created_before_setup_keeps_its_state() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 2)).sum().backward()
@@ -135,13 +135,13 @@ def test_optimizer_created_before_setup_keeps_its_state() -> None:
 
 
 def test_backward_rejects_a_non_scalar_loss() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     with pytest.raises(PlacementError, match="scalar"):
         rt.backward(torch.ones(3, requires_grad=True))
 
 
 def test_print_and_collectives_of_one_process(capsys: pytest.CaptureFixture[str]) -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     rt.print("hello", 1)
     assert capsys.readouterr().out == "hello 1\n"
     tensor = torch.tensor([1.0, 2.0])
@@ -152,7 +152,7 @@ def test_print_and_collectives_of_one_process(capsys: pytest.CaptureFixture[str]
 
 
 def test_launch_runs_the_function_in_this_process() -> None:
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     assert rt.launch(lambda runtime, a, b: (runtime.rank, a + b), 2, 3) == (0, 5)
 
 
@@ -175,7 +175,7 @@ def test_accumulated_micro_batches_equal_one_big_batch() -> None:
 
 
 def test_bf16_autocast_on_cpu_returns_float32_outputs() -> None:
-    rt = paratrain.Runtime(strategy="cpu", precision="bf16")
+    rt = paratrain.Runtime(strategy="cpu", precision="bf16", seed=0)
     seen: list[torch.dtype] = []
     layer = nn.Linear(4, 2)
     layer.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
@@ -201,7 +201,7 @@ def test_bad_runtime_arguments(kwargs: dict[str, object], message: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_places_model_optimizer_state_and_batches() -> None:
-    rt = paratrain.Runtime(strategy="cuda", devices="1")
+    rt = paratrain.Runtime(strategy="cuda", devices="1", seed=0)
     model = nn.Linear(10, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 10)).sum().backward()
@@ -214,5 +214,5 @@ def test_cuda_places_model_optimizer_state_and_batches() -> None:
     assert loader.loader.pin_memory
     with pytest.raises(PlacementError):
         model(torch.randn(2, 10))
-    trained = _train(paratrain.Runtime(strategy="cuda"))
+    trained = _train(paratrain.Runtime(strategy="cuda", seed=0))
     assert next(trained.parameters()).is_cuda

@@ -65,7 +65,7 @@ def test_compile_refusals_are_one_line(
     assert code == 2 and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     with pytest.raises(UserError, match="--strategy dp-balanced"):
-        paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", compile=True)
+        paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", compile=True, seed=0)
 
 
 def test_compiled_run_keeps_plain_names_and_counts_its_graphs(
@@ -106,7 +106,7 @@ def test_compiled_forward_runs_under_bf16_autocast() -> None:
         exact = net(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             eager_bf16 = net(x).float()
-    rt = paratrain.Runtime(strategy="cpu", precision="bf16", compile=True)
+    rt = paratrain.Runtime(strategy="cpu", precision="bf16", compile=True, seed=0)
     model = rt.setup(net)
     assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_ddp_compiles_the_wrapped_model_and_still_skips_gradient_sync() -> None:
     net(x).sum().backward()
     expected = net.weight.grad.clone()
     net.zero_grad()
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu", compile=True)
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu", compile=True, seed=0)
     model = rt.setup(net)
     ddp = model._orig_mod  # torch.compile(DDP(model)), as torch recommends
     assert isinstance(ddp, nn.parallel.DistributedDataParallel)
@@ -143,7 +143,7 @@ def test_channels_last_is_automatic_for_convolutions_on_cuda_only() -> None:
     assert wants_channels_last(None, conv, cuda) and not wants_channels_last(None, linear, cuda)
     assert not wants_channels_last(None, conv, cpu)
     assert wants_channels_last(True, conv, cpu) and not wants_channels_last(False, conv, cuda)
-    rt = paratrain.Runtime(strategy="cpu")
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
     rt.setup(_conv_net())
     assert rt.describe()["channels_last"] is False
 
@@ -159,7 +159,7 @@ def test_channels_last_forced_on_cpu_matches_contiguous() -> None:
             seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
 
         net[0].register_forward_pre_hook(record)
-        rt = paratrain.Runtime(strategy="cpu", channels_last=channels_last)
+        rt = paratrain.Runtime(strategy="cpu", channels_last=channels_last, seed=0)
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
         for _ in range(3):
             rt.backward(nn.functional.cross_entropy(model(x), y))
@@ -180,7 +180,7 @@ def test_loaded_optimizer_state_takes_the_parameters_layout() -> None:
     optimizer.step()
     saved = optimizer.state_dict()  # momentum buffers in ordinary strides
     net = _conv_net()
-    rt = paratrain.Runtime(strategy="cpu", channels_last=True)
+    rt = paratrain.Runtime(strategy="cpu", channels_last=True, seed=0)
     _, target = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     target.load_state_dict(saved)
     weight = net[0].weight
@@ -216,7 +216,7 @@ def test_fused_step_is_close_to_the_default_on_cpu() -> None:
     for fused in (False, True):
         torch.manual_seed(0)
         net = nn.Linear(20, 5)
-        rt = paratrain.Runtime(strategy="cpu", fused_optimizer=fused)
+        rt = paratrain.Runtime(strategy="cpu", fused_optimizer=fused, seed=0)
         model, optimizer = rt.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
         assert rt.describe()["fused_optimizer"] == ("fused" if fused else "off")
         for i in range(5):
@@ -251,7 +251,7 @@ def test_grad_scaler_hands_its_scale_to_a_fused_optimizer() -> None:
 def test_cuda_defaults_fuse_and_use_channels_last_and_compile() -> None:
     torch._dynamo.reset()
     net = _conv_net()
-    rt = paratrain.Runtime(strategy="cuda", precision="fp16", compile=True)
+    rt = paratrain.Runtime(strategy="cuda", precision="fp16", compile=True, seed=0)
     model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     described = rt.describe()
     assert described["fused_optimizer"] == "fused" and described["channels_last"] is True

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain import loopback
+from paratrain.collective_order import REPORT_DIR_VARIABLE
 from paratrain.errors import LaunchError, UserError
 from paratrain.heartbeat import DIRECTORY_VARIABLE
 from paratrain.preemption import Request, Stopped, stop_message
 from paratrain.watchdog import Watchdog, WatchdogThread, hang_timeout
 
 #: where the processes leave a one-line error for this launcher (see :mod:`paratrain.entry`)
-REPORT_VARIABLE = "PARATRAIN_REPORT_DIR"
+REPORT_VARIABLE = REPORT_DIR_VARIABLE
 LOOPBACK = loopback.LOOPBACK
 #: the signals torchrun's agent passes on to its processes
 SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"

@@ -47,12 +47,14 @@ class TensorBatchLoader(DeviceLoader):
         self._pin = not resident and device.type == "cuda"
 
     def _batches(self) -> Iterator[Any]:
-        # A DataLoader iterator draws its workers' base seed from the loader's generator:
-        # draw it too, so that a generator the user passed stays in step with that path.
+        # A DataLoader iterator draws its workers' base seed from the loader's generator (the
+        # global one when it has none, unseeded): draw it too, so that the random stream is
+        # consumed exactly as on that path.
         torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
         order = self._sampler.order().to(self.rows.tensors[0].device)
         for start, end in self._sampler.spans():
             yield self._cut(order[start:end])
+        self._sampler.end_epoch()
 
     def _cut(self, index: torch.Tensor) -> Any:
         if self._pin:

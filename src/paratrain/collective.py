@@ -9,6 +9,7 @@ distributed strategies subclass it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -39,6 +40,11 @@ class Collective:
 
     def barrier(self) -> None:
         return None
+
+    def operation(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Around one of the runtime's collectives, ``name`` as the user calls it: several
+        processes number them and compare (:mod:`paratrain.collective_order`)."""
+        return contextlib.nullcontext()
 
     def note(self, message: str) -> None:
         """A remark for the user on standard error, from the main process only."""

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,15 +67,17 @@ def setup_data_path(
     device: torch.device,
     rank: int,
     world_size: int,
-    seed: int,
+    seed: int | None,
     evaluation: bool,
     sink: Any,
     data_path: str = "auto",
     device_budget_gib: float | None = None,
     batch_size: int | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> DeviceLoader:
     """Shard ``loader`` across processes and serve its batches the way ``data_path`` says;
-    ``batch_size`` is the global batch when it is not the loader's own."""
+    ``batch_size`` is the global batch when it is not the loader's own; ``seed`` and
+    ``agree``: where a shuffled epoch's order comes from (:mod:`paratrain.loaders`)."""
     check_data_path(data_path, device_budget_gib)
     rebuilt, sampler = shard_loader(
         loader,
@@ -84,6 +87,7 @@ def setup_data_path(
         evaluation=evaluation,
         pin_memory=device.type == "cuda",
         batch_size=batch_size,
+        agree=agree,
     )
     if data_path == "loader":
         return DeviceLoader(rebuilt, device, sampler, sink)

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from paratrain import heartbeat, preemption
+from paratrain import collective_order, heartbeat, preemption
 from paratrain.atomic import FULL
 from paratrain.errors import LaunchError, UserError
 from paratrain.parent_death import die_with_parent
@@ -181,6 +181,7 @@ def _worker(
     if watched:
         os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
         heartbeat.arm(rank)
+    os.environ[collective_order.LAUNCH_DIR_VARIABLE] = tmp  # where its one-line error goes
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

@@ -1,16 +1,28 @@
 """Data loaders that give every layout the same global batches.
 
-Every strategy cuts the data the same way: one seeded permutation per epoch, cut into
-global batches of the loader's ``batch_size``, each split into as many near-equal parts as
-there are processes. Process ``r`` takes part ``r``. One process and four processes
-therefore see the same global batches, which is what lets every layout compute the same
-model. The epoch is advanced on every ``iter()``, so ``set_epoch`` cannot be forgotten.
+Every strategy cuts the data the same way: one permutation per epoch, cut into global
+batches of the loader's ``batch_size``, each split into as many near-equal parts as there are
+processes. Process ``r`` takes part ``r``. One process and four processes therefore see the
+same global batches, which is what lets every layout compute the same model. The epoch is
+advanced on every ``iter()``, so ``set_epoch`` cannot be forgotten.
+
+Where the permutation comes from:
+
+- ``seed=None`` (``Runtime()``'s default): from the random generators exactly as torch's
+  ``DataLoader`` draws it. Each ``iter()`` draws the workers' base seed from the loader's
+  generator (the global one unless the loader was given its own), and a shuffled epoch is the
+  permutation ``RandomSampler`` would draw. A ported script therefore consumes its random
+  stream as it did, and its dropout masks stay where they were. With several processes, rank
+  0's permutation seed is broadcast (``agree``), so even an unseeded script's processes agree.
+- an int ``seed`` (``Runtime(seed=N)``, ``paratrain train --seed``): epoch ``e`` is the
+  permutation of a private generator seeded with ``seed + e``; nothing is drawn from the
+  global generator, so a run resumed mid-epoch continues the same order and random stream.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -36,12 +48,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         batch_size: int,
         *,
         shuffle: bool,
-        seed: int,
+        seed: int | None,
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
         evaluation: bool = False,
+        generator: torch.Generator | None = None,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
+        """``seed=None``: draw each epoch's order as ``RandomSampler(generator=generator)``
+        does; ``agree`` then makes every process use rank 0's draw (a broadcast)."""
         if batch_size < world_size and not evaluation:
             raise UserError(
                 f"batch size {batch_size} is smaller than the number of processes "
@@ -55,6 +71,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.drop_last = drop_last
         self.evaluation = evaluation
+        self.generator = generator
+        self.agree = agree
         self.epoch = 0
         self.start_batch = 0
 
@@ -64,12 +82,27 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.start_batch = start_batch
 
     def order(self) -> torch.Tensor:
-        """The epoch's order of sample indices (a seeded permutation, or 0..n-1)."""
+        """The epoch's order of sample indices (a permutation, or 0..n-1). Unseeded, each
+        call draws from the random generators: call it once per epoch."""
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        if self.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(self.num_samples, generator=generator)
+        if self.generator is not None:  # RandomSampler draws from the loader's own generator
+            return torch.randperm(self.num_samples, generator=self.generator)
+        # RandomSampler's draw: a seed from the global generator, then a private permutation
+        drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+        if self.agree is not None:
+            drawn = self.agree(drawn)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(drawn))
+
+    def end_epoch(self) -> None:
+        """After a whole epoch: RandomSampler then draws a last, empty permutation from a
+        generator the loader was given; draw it too, so that generator stays in step."""
+        if self.shuffle and self.seed is None and self.generator is not None:
+            torch.randperm(self.num_samples, generator=self.generator)
 
     def global_batch_sizes(self) -> list[int]:
         full, rest = divmod(self.num_samples, self.batch_size)
@@ -103,6 +136,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         order: list[int] = self.order().tolist()  # plain lists: slicing costs no tensor ops
         for start, end in self.spans():
             yield order[start:end]
+        self.end_epoch()
 
     def __len__(self) -> int:
         sizes = self.global_batch_sizes()[self.start_batch :]
@@ -192,14 +226,16 @@ def shard_loader(
     *,
     rank: int,
     world_size: int,
-    seed: int,
+    seed: int | None,
     evaluation: bool,
     pin_memory: bool,
     batch_size: int | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> tuple[DataLoader[Any], ShardedBatchSampler | None]:
     """Rebuild ``loader`` around a :class:`ShardedBatchSampler` (same settings otherwise).
 
-    ``batch_size``: the global batch, when it is not the loader's own (paratrain.batching).
+    ``batch_size``: the global batch, when it is not the loader's own (paratrain.batching);
+    ``seed`` and ``agree``: where a shuffled epoch's order comes from (see the module).
     """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
         if world_size > 1:
@@ -217,18 +253,29 @@ def shard_loader(
         return loader, None
     if not isinstance(loader.dataset, Sized):
         return loader, None
-    if isinstance(loader.sampler, RandomSampler) and loader.sampler.replacement:
+    random = loader.sampler if isinstance(loader.sampler, RandomSampler) else None
+    shuffle = random is not None
+    if random is not None and random.replacement:
         warnings.warn("sampling with replacement is replaced by a shuffle", stacklevel=3)
     sampler = ShardedBatchSampler(
         len(loader.dataset),
         batch_size or loader.batch_size,
-        shuffle=isinstance(loader.sampler, RandomSampler),
+        shuffle=shuffle,
         seed=seed,
         rank=rank,
         world_size=world_size,
         drop_last=loader.drop_last,
         evaluation=evaluation,
+        generator=None if random is None else random.generator,
+        agree=agree,
     )
+    if seed is None:
+        # torch's own draws: the base seed from the loader's generator, or the global one
+        generator = loader.generator
+    else:
+        # A private generator: starting an epoch then draws nothing from the global one,
+        # so a run resumed mid-epoch continues the same random stream.
+        generator = loader.generator or torch.Generator().manual_seed(seed)
     rebuilt = DataLoader(
         loader.dataset,
         batch_sampler=sampler,
@@ -238,9 +285,7 @@ def shard_loader(
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
-        # A private generator: starting an epoch then draws nothing from the global one,
-        # so a run resumed mid-epoch continues the same random stream.
-        generator=loader.generator or torch.Generator().manual_seed(seed),
+        generator=generator,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )

@@ -66,7 +66,8 @@ class RuntimeConfig:
     strategy: str = "auto"
     devices: str | None = None
     precision: str = "32"
-    seed: int = 0
+    #: None: the random generators are left as the script set them (see paratrain.seeding)
+    seed: int | None = None
     accumulate: int = 1
     sync_batchnorm: bool = False
     deterministic: bool = False
@@ -99,7 +100,7 @@ class Runtime:
         strategy: str = "auto",
         devices: str | int | None = None,
         precision: str = "32",
-        seed: int = 0,
+        seed: int | None = None,
         accumulate: int = 1,
         sync_batchnorm: bool = False,
         deterministic: bool = False,
@@ -113,7 +114,11 @@ class Runtime:
         pipeline_microbatches: int = 4,
         threads: int | None = None,
     ) -> None:
-        """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
+        """``seed``: None (default) leaves every random generator as the script set it, and
+        loaders draw their order from them as torch's DataLoader does; an int seeds Python,
+        NumPy and torch with it, and loaders shuffle with their own generator seeded with
+        ``seed + epoch`` (see :mod:`paratrain.loaders`).
+        ``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
         ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
         (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.speed`; ``fsdp_blocks``: class
@@ -164,7 +169,8 @@ class Runtime:
         self.nonfinite = NonFiniteCheck()
         self._connected = False
         self._stop: preemption.Request | None = None
-        seed_everything(seed)
+        if seed is not None:
+            seed_everything(seed)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> Runtime:
@@ -251,6 +257,15 @@ class Runtime:
         ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``.
         """
         self._connect()
+        with self.strategy.collective.operation("rt.setup"):  # DDP broadcasts the weights
+            return self._setup(model, optimizer, loss_fn)
+
+    def _setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[..., torch.Tensor] | None,
+    ) -> Any:
         if self.strategy.needs_loss_fn and loss_fn is None:
             raise UserError(
                 f"strategy {self.strategy.name} computes the loss on every device: "
@@ -328,7 +343,14 @@ class Runtime:
             data_path=data_path,
             device_budget_gib=device_budget_gib,
             batch_size=batch_size,
+            agree=self._agree_seed if self.world_size > 1 else None,
         )
+
+    def _agree_seed(self, seed: int) -> int:
+        """Rank 0's draw of a loader's permutation seed, on every process."""
+        collective = self.strategy.collective
+        with collective.operation("the shuffle of a loader (at the start of its epoch)"):
+            return int(collective.broadcast_object(seed))
 
     def to_device(self, obj: T) -> T:
         """Move tensors (nested in tuples, lists, dicts) to this process's device."""
@@ -349,6 +371,12 @@ class Runtime:
             loss = loss_fn(model(inputs), target)
             self.backward(loss)
             return loss
+        with self.strategy.collective.operation("rt.forward_backward"):
+            return self._pipeline_step(model, loss_fn, inputs, target)
+
+    def _pipeline_step(
+        self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, target: Any
+    ) -> torch.Tensor:
         accumulation = self.accumulation
         ends_step = accumulation.next_is_last()
         scale = accumulation.loss_weight / accumulation.steps
@@ -370,6 +398,10 @@ class Runtime:
             )
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
+        with self.strategy.collective.operation("rt.backward"):  # the gradient all-reduce
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         accumulation = self.accumulation
         ends_step = accumulation.next_is_last()
         loss = faults.at_step(self.rank, self.nonfinite.step + 1, loss)
@@ -416,23 +448,27 @@ class Runtime:
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._connect()
-        self.nonfinite.agree(self.strategy.collective, "all_reduce")
-        return self.strategy.collective.all_reduce(tensor, op)
+        with self.strategy.collective.operation("rt.all_reduce"):
+            self.nonfinite.agree(self.strategy.collective, "all_reduce")
+            return self.strategy.collective.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._connect()
-        self.nonfinite.agree(self.strategy.collective, "all_gather")
-        return self.strategy.collective.all_gather(tensor)
+        with self.strategy.collective.operation("rt.all_gather"):
+            self.nonfinite.agree(self.strategy.collective, "all_gather")
+            return self.strategy.collective.all_gather(tensor)
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         self._connect()
-        self.nonfinite.agree(self.strategy.collective, "broadcast_object")
-        return self.strategy.collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
+        with self.strategy.collective.operation("rt.broadcast_object"):
+            self.nonfinite.agree(self.strategy.collective, "broadcast_object")
+            return self.strategy.collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
 
     def barrier(self) -> None:
         self._connect()
-        self.nonfinite.agree(self.strategy.collective, "barrier")
-        self.strategy.collective.barrier()
+        with self.strategy.collective.operation("rt.barrier"):
+            self.nonfinite.agree(self.strategy.collective, "barrier")
+            self.strategy.collective.barrier()
 
     # -- stopping on a signal ----------------------------------------------------------------
     def should_stop(self) -> bool:
@@ -467,7 +503,8 @@ class Runtime:
         every process's random generator states. Call it on every process; the main one
         writes, atomically, and all return once the file is complete."""
         self._connect()
-        save_state(self.strategy.collective, self.strategy.devices, path, state)
+        with self.strategy.collective.operation("rt.save"):
+            save_state(self.strategy.collective, self.strategy.devices, path, state)
 
     def load(
         self, path: str | os.PathLike[str], into: dict[str, Any] | None = None, rng: bool = True
@@ -476,13 +513,15 @@ class Runtime:
         objects of ``into`` (same keys as saved) and, with ``rng`` and the same number of
         processes, restore this process's random generators. Returns every saved entry."""
         self._connect()
-        return load_state(self.strategy.collective, self.strategy.devices, path, into, rng)
+        with self.strategy.collective.operation("rt.load"):
+            return load_state(self.strategy.collective, self.strategy.devices, path, into, rng)
 
     def save_weights(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
         """Write ``model``'s full weights with plain names to ``path`` (safetensors). Call it
         on every process: sharded (fsdp) weights are gathered, the main process writes."""
         self._connect()
-        save_model_weights(self.strategy.collective, model, path)
+        with self.strategy.collective.operation("rt.save_weights"):
+            save_model_weights(self.strategy.collective, model, path)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

@@ -1,4 +1,8 @@
-"""One seed for every random number generator a training run touches."""
+"""One seed for every random number generator a training run touches.
+
+``Runtime(seed=N)`` and ``paratrain train --seed N`` call :func:`seed_everything`;
+``Runtime()`` (``seed=None``) seeds nothing: a script's own ``torch.manual_seed`` stands.
+"""
 
 from __future__ import annotations
 

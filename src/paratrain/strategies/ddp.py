@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from paratrain import collective_order
 from paratrain.devices import check_cuda_devices, cuda_count, parse_count, parse_device_list
 from paratrain.errors import LaunchError, UserError
 from paratrain.strategies.base import Strategy, StrategyOptions
@@ -128,6 +129,7 @@ class DDPStrategy(Strategy):
         self.collective = TorchCollective(
             dist.get_rank(), self.local_rank, dist.get_world_size(), self.root_device
         )
+        collective_order.start(self.collective.rank, self.collective.world_size)
 
     def _join(self) -> None:
         if launched():
@@ -206,11 +208,15 @@ class DDPStrategy(Strategy):
         After a failure, a process leaves by exiting instead.
         """
         if self._owns_group and dist.is_initialized():
-            with contextlib.suppress(RuntimeError):  # a peer already gone: leave anyway
+            with (
+                contextlib.suppress(RuntimeError),  # a peer already gone: leave anyway
+                self.collective.operation(collective_order.END_OF_RUN),
+            ):
                 if self.backend == "gloo":
                     dist.monitored_barrier(timeout=self.collective_timeout)
                 else:
                     self.collective.barrier()
+            collective_order.stop()
             dist.destroy_process_group()
         self._owns_group = False
 

@@ -7,6 +7,7 @@ and ``init_process_group(init_method="env://")`` reads them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from paratrain import loopback
 from paratrain.collective import Collective, ReduceOp
+from paratrain.collective_order import LEDGER
 from paratrain.errors import UserError
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -143,6 +145,9 @@ class TorchCollective(Collective):
         device = self.device if self.device.type == "cuda" else None
         dist.broadcast_object_list(box, src=src, group=self.group, device=device)
         return box[0]
+
+    def operation(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return LEDGER.operation(name)
 
     def barrier(self) -> None:
         if self.device.type == "cuda":
