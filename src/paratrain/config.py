@@ -12,6 +12,7 @@ from torch import nn
 from paratrain.batching import check_batch_size_per
 from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
+from paratrain.oom import check_oom_mode
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
 from paratrain.speed import SpeedOptions, check_speed
@@ -93,6 +94,8 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"
     #: pipeline: micro-batches per batch
     pipeline_microbatches: int = 4
+    #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
+    oom: str = "auto"
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -117,6 +120,7 @@ class TrainConfig:
         if cfg.save_every is not None:
             _positive("--save-every", cfg.save_every)
         _positive("--keep", cfg.keep)
+        check_oom_mode(cfg.oom)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)
         if cfg.lr is None or not cfg.lr > 0:
@@ -156,6 +160,7 @@ class TrainConfig:
                 self.pipeline_schedule,
                 self.pipeline_microbatches,
             ),
+            oom=self.oom,
         )
 
     def speed_options(self) -> SpeedOptions:
