@@ -12,6 +12,7 @@ from torch import nn
 from paratrain.batching import check_batch_size_per
 from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
+from paratrain.oom import check_oom_mode
 from paratrain.precision import normalize_precision
 from paratrain.runtime import RuntimeConfig
 from paratrain.speed import SpeedOptions, check_speed
@@ -95,6 +96,8 @@ class TrainConfig:
     pipeline_microbatches: int = 4
     #: intra-op threads of each process; None: chosen (paratrain.threads)
     threads: int | None = None
+    #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
+    oom: str = "auto"
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -121,6 +124,7 @@ class TrainConfig:
         if cfg.threads is not None:
             _positive("--threads", cfg.threads)
         _positive("--keep", cfg.keep)
+        check_oom_mode(cfg.oom)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)
         if cfg.lr is None or not cfg.lr > 0:
@@ -161,6 +165,7 @@ class TrainConfig:
                 self.pipeline_microbatches,
             ),
             threads=self.threads,
+            oom=self.oom,
         )
 
     def speed_options(self) -> SpeedOptions:

@@ -44,6 +44,11 @@ class Summary:
     eval_accuracy: float | None
     samples_per_second: float
     times: LoopTimes = field(default_factory=LoopTimes)
+    #: --oom auto: pieces per micro-batch at the end (1: never ran out of memory), the step
+    #: it was last halved at and the samples per process of a piece then
+    micro_batch_split: int = 1
+    halved_at_step: int | None = None
+    piece_samples: int | None = None
 
     def line(self, directory: Path | None) -> str:
         accuracy = "" if self.eval_accuracy is None else f", test accuracy {self.eval_accuracy:.2%}"
@@ -51,7 +56,16 @@ class Summary:
         return (
             f"trained {self.epochs} epoch(s), {self.steps} steps in {self.seconds:.1f}s "
             f"({self.samples_per_second:,.0f} samples/s): train loss {self.train_loss:.4f}, "
-            f"test loss {self.eval_loss:.4f}{accuracy}{self.times.line(self.seconds)}{where}"
+            f"test loss {self.eval_loss:.4f}{accuracy}{self.times.line(self.seconds)}"
+            f"{self._oom_line()}{where}"
+        )
+
+    def _oom_line(self) -> str:
+        if self.halved_at_step is None:
+            return ""
+        return (
+            f"; ran out of memory at step {self.halved_at_step}: micro-batches run in "
+            f"{self.micro_batch_split} pieces of about {self.piece_samples} samples per process"
         )
 
 
@@ -115,12 +129,15 @@ def train(
     at = Position()
     if resumed:  # restores the random generators too: no random draw may come after this
         at = load_checkpoint(layout, Path(str(cfg.resume_from)), parts, batches_per_epoch)
+        if rt.micro_batches.active:  # --oom auto: the pieces it had come to
+            rt.micro_batches.split = max(rt.micro_batches.split, at.micro_batch_split)
     writer = None
     if directory is not None and rt.is_main:
         keep_lines = at.metrics_lines if resumed else None
         writer = rundir.MetricsWriter(directory / rundir.METRICS, keep_lines)
         rundir.write_config(directory, _config_payload(rt, cfg, "running"))
     saver = Checkpointer(layout, directory, cfg, parts, batches_per_epoch, at, writer)
+    saver.micro_batch_split = lambda: rt.micro_batches.split
     timings = None
     if directory is not None and rt.is_main:
         timings = rundir.MetricsWriter(directory / rundir.TIMINGS)
@@ -222,6 +239,9 @@ def train(
         epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
     )
     summary.times = clock.times(samples)
+    summary.micro_batch_split = rt.micro_batches.split
+    summary.halved_at_step = rt.micro_batches.halved_at
+    summary.piece_samples = rt.micro_batches.piece_samples
     if timings is not None:
         timings.close()
     if directory is not None:  # every process: fsdp gathers the sharded weights

@@ -36,6 +36,8 @@ from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch, launched
 from paratrain.loaders import DeviceLoader
 from paratrain.nonfinite import NonFiniteCheck
+from paratrain.oom import MicroBatches, check_oom_mode
+from paratrain.oom_step import PieceStep
 from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.placement import guard_forward, move_to_device
 from paratrain.precision import Precision, normalize_precision
@@ -78,11 +80,14 @@ class RuntimeConfig:
     options: StrategyOptions = field(default_factory=StrategyOptions)
     #: intra-op threads of each process; None: chosen (paratrain.threads)
     threads: int | None = None
+    #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
+    oom: str = "off"
 
     def validate(self) -> RuntimeConfig:
         if self.threads is not None and self.threads < 1:
             raise UserError(f"threads must be at least 1, got {self.threads}")
         normalize_precision(self.precision)
+        check_oom_mode(self.oom)
         check_batch_size_per(self.batch_size_per)
         if self.accumulate < 1:
             raise UserError(f"accumulate must be at least 1, got {self.accumulate}")
@@ -113,6 +118,7 @@ class Runtime:
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int = 4,
         threads: int | None = None,
+        oom: str = "off",
     ) -> None:
         """``seed``: None (default) leaves every random generator as the script set it, and
         loaders draw their order from them as torch's DataLoader does; an int seeds Python,
@@ -127,7 +133,9 @@ class Runtime:
         (the modules that start stages 2, 3, ...; default: balanced by parameter count),
         ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
         :mod:`paratrain.strategies.pipeline`; ``threads``: intra-op threads of each
-        process (default: chosen for the cores and the load, see :mod:`paratrain.threads`)."""
+        process (default: chosen for the cores and the load, see :mod:`paratrain.threads`);
+        ``oom="auto"``: a micro-batch that runs out of memory in ``rt.forward_backward`` is
+        redone in smaller pieces, the same step (see :mod:`paratrain.oom`)."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -154,6 +162,7 @@ class Runtime:
                 pipeline_microbatches,
             ),
             threads,
+            oom,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
         #: this process's intra-op threads, and those of the processes it starts
@@ -167,6 +176,8 @@ class Runtime:
         self.accumulation = Accumulation(steps=accumulate)
         #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
         self.nonfinite = NonFiniteCheck()
+        #: --oom auto: how many pieces each micro-batch is cut into
+        self.micro_batches = MicroBatches(oom if not self.strategy.trains_in_pipeline else "off")
         self._connected = False
         self._stop: preemption.Request | None = None
         if seed is not None:
@@ -191,6 +202,7 @@ class Runtime:
             config.options.pipeline_schedule,
             config.options.pipeline_microbatches,
             config.threads,
+            config.oom,
         )
 
     @property
@@ -367,6 +379,14 @@ class Runtime:
         """``loss = loss_fn(model(inputs), target)`` and ``rt.backward(loss)`` in one call,
         which every strategy runs, ``pipeline`` included (there forward and backward run
         together, micro-batch by micro-batch). Returns the loss."""
+        if self.micro_batches.active:
+            return PieceStep(
+                self.strategy,
+                self.accumulation,
+                self.nonfinite,
+                self.micro_batches,
+                self._precision_backward,
+            ).run(model, loss_fn, inputs, target)
         if not self.strategy.trains_in_pipeline:
             loss = loss_fn(model(inputs), target)
             self.backward(loss)
@@ -409,11 +429,14 @@ class Runtime:
             admitted = self.nonfinite.admit(loss, self.strategy.collective, ends_step)
             if admitted:
                 scale = accumulation.loss_weight / accumulation.steps
-                backward = self.precision.backward
-                if self.config.deterministic:
-                    backward = naming_nondeterministic(backward)
-                backward(loss * scale if scale != 1.0 else loss)
+                self._precision_backward(loss * scale if scale != 1.0 else loss)
         accumulation.micro_batch_done()  # a skipped micro-batch too: on every rank alike
+
+    def _precision_backward(self, loss: torch.Tensor) -> None:
+        backward = self.precision.backward
+        if self.config.deterministic:
+            backward = naming_nondeterministic(backward)
+        backward(loss)
 
     @property
     def step_skipped(self) -> bool:
@@ -539,6 +562,7 @@ class Runtime:
             "world_size": self.world_size,
             "accumulate": self.accumulate_steps,
             "deterministic": self.config.deterministic,
+            **self.micro_batches.describe(),
             "numerics": numerics_settings(),
             "threads": self.threads.describe(),
             **self.speed.describe(),

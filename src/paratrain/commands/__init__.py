@@ -9,6 +9,7 @@ COMMAND_MODULES = (
     "recipes",
     "ckpt",
     "bench",
+    "plan",
     "doctor",
     "export",
     "tune",

@@ -109,6 +109,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline: the schedule of the micro-batches (default 1f1b)",
     )
     p.add_argument(
+        "--oom",
+        choices=("auto", "off"),
+        help="auto (default): a micro-batch that runs out of memory is redone in halves, the "
+        "same step (PARATRAIN_TEST_OOM=RANK:ABOVE simulates it); off: the run stops",
+    )
+    p.add_argument(
         "--pipeline-microbatches",
         type=int,
         metavar="N",

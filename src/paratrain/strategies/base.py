@@ -52,6 +52,9 @@ class Strategy(ABC):
     checks_model: ClassVar[bool] = False
     #: forward and backward run together (``train_step``): ``rt.forward_backward`` only
     trains_in_pipeline: ClassVar[bool] = False
+    #: ``--oom auto``'s pieces of a micro-batch each synchronize their gradients (fsdp:
+    #: without, each process would hold the whole model's unsharded gradients)
+    pieces_sync_each: ClassVar[bool] = False
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices

@@ -40,6 +40,7 @@ class FSDPStrategy(DDPStrategy):
     syncs_batchnorm = False
     checks_model = True
     collective_forward = True
+    pieces_sync_each = True
     description = (
         "FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over one "
         "process per device (nccl on CUDA, gloo on CPU)"

@@ -22,7 +22,7 @@ reads it.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -102,6 +102,8 @@ class Position:
     metrics_lines: int = 0  # lines of metrics.jsonl written so far
     #: the last finished epoch's train_loss, eval_loss, eval_accuracy
     last_metrics: dict[str, Any] = field(default_factory=dict)
+    #: --oom auto: pieces per micro-batch after running out of memory (1: never)
+    micro_batch_split: int = 1
 
 
 @dataclass
@@ -174,6 +176,8 @@ class Checkpointer:
             "devices": [str(d) for d in layout.devices],
             "batches_per_epoch": batches_per_epoch,
         }
+        #: --oom auto's pieces per micro-batch now, saved with every checkpoint
+        self.micro_batch_split: Callable[[], int] = lambda: start.micro_batch_split
         resumed = cfg.resume_from is not None
         self._last = (start.epoch, start.batch, start.step) if resumed else None
 
@@ -214,6 +218,7 @@ class Checkpointer:
             "epoch_samples": [g["samples"] for g in gathered],
             "metrics_lines": self.metrics.lines if self.metrics is not None else 0,
             "last_metrics": self.last_metrics,
+            "micro_batch_split": self.micro_batch_split(),
             "paratrain": __version__,
         }
         assert weights is not None and optimizer is not None  # the main process has them
@@ -299,6 +304,7 @@ def load_checkpoint(
         samples=int(count),
         metrics_lines=int(state.get("metrics_lines", 0)),
         last_metrics=dict(state.get("last_metrics") or {}),
+        micro_batch_split=int(state.get("micro_batch_split", 1)),
     )
 
 

@@ -1,0 +1,91 @@
+"""`paratrain plan`: predicted peak memory per device, checked against the same tracker
+over real tensors (--strategy cpu: one process, the layout's per-device batch)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.cli import main
+from paratrain.commands.plan import parse_size, recipe_builder
+from paratrain.models import GPT
+from paratrain.plan import plan_memory, trace_step
+
+
+def _gpt(width: int) -> Any:
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 64, (n, 33), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    def build() -> Any:
+        model = GPT(width=width, depth=2)
+        return model, loss, lambda p: torch.optim.AdamW(p, lr=1e-3), sample
+
+    return build
+
+
+def _builders() -> dict[str, tuple[Any, int]]:
+    return {
+        "digits": (recipe_builder("digits")[0], 64),
+        "cifar10-resnet18": (recipe_builder("cifar10-resnet18", synthetic=16)[0], 4),
+        "tiny-gpt width 64": (_gpt(64), 8),
+        "tiny-gpt width 256": (_gpt(256), 8),
+    }
+
+
+@pytest.mark.slow
+def test_prediction_within_15_percent_of_the_measured_peak() -> None:
+    """--strategy cpu: for each model, the peak predicted on fake tensors is within 15% of
+    the peak the same tracker measures over real tensors."""
+    errors = {}
+    for name, (build, batch) in _builders().items():
+        for size in (batch,):
+            predicted = trace_step(build, size).peak
+            measured = trace_step(build, size, fake=False).peak
+            errors[f"{name} @{size}"] = predicted.total / measured.total - 1
+            assert measured.parameters > 0 and measured.activations > 0
+    assert all(abs(error) <= 0.15 for error in errors.values()), errors
+
+
+def test_layouts_split_what_they_split() -> None:
+    """--strategy cpu tracing: ddp halves activations, fsdp shards the optimizer state,
+    pipeline's first stage holds more activations than its last; a tiny device fits none."""
+    build, _ = _builders()["tiny-gpt width 64"]
+    plan = plan_memory(
+        lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", 1 << 30, "test"
+    )
+    by = {p.layout: p for p in plan.layouts}
+    assert set(by) == {"cuda", "dp", "dp-balanced", "ddp", "fsdp", "pipeline"}
+    one, ddp, fsdp, pipe = by["cuda"], by["ddp"], by["fsdp"], by["pipeline"]
+    assert ddp.devices[0].activations < 0.6 * one.devices[0].activations
+    assert fsdp.devices[0].optimizer < 0.6 * one.devices[0].optimizer
+    assert pipe.devices[0].activations > pipe.devices[1].activations
+    assert by["dp"].devices[1].optimizer == 0 and by["dp"].devices[0].optimizer > 0
+    assert all(p.fits and p.largest_batch >= 16 for p in plan.layouts)
+    small = plan_memory(
+        lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", one.peak // 2, "test"
+    )
+    assert not {p.layout: p for p in small.layouts}["cuda"].fits
+
+
+def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """`paratrain plan --accelerator cpu` (cpu, cpu,cpu): JSON with every kind of memory per
+    device; a size it cannot read is one line and exit code 2."""
+    assert main(["plan", "--recipe", "digits", "--accelerator", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [p["layout"] for p in plan["layouts"]] == ["cpu", "ddp", "fsdp", "pipeline"]
+    first = plan["layouts"][0]["devices"][0]
+    assert first["parameters"] > 0 and first["total"] == sum(
+        first[k] for k in ("parameters", "gradients", "optimizer", "activations", "other")
+    )
+    assert main(["plan", "--device-memory", "lots"]) == 2
+    assert "--device-memory 'lots': write a size such as 80GiB" in capsys.readouterr().err
+    assert parse_size("80GiB") == 80 << 30 and parse_size("512M") == 512 << 20
