@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -22,7 +23,12 @@ from torch import nn
 import paratrain
 from paratrain.errors import UserError
 from paratrain.optim import Accumulation, RuntimeOptimizer
-from paratrain.precision import Precision, normalize_precision, to_float32
+from paratrain.precision import (
+    Precision,
+    normalize_precision,
+    precision_unavailable_reason,
+    to_float32,
+)
 
 CPU = torch.device("cpu")
 MAX_NORM = 0.05
@@ -169,6 +175,21 @@ def test_autocast_needs_a_device_type_that_has_it() -> None:
             Precision(name, meta)
 
 
+def test_accelerator_device_types_have_autocast_and_fp16_on_cuda_a_scaler() -> None:
+    """Device types only (no GPU is used): ``cuda`` and ``mps`` have autocast, fp16 on
+    ``cuda`` steps through a GradScaler (disabled where CUDA is absent)."""
+    for device in (torch.device("cuda"), torch.device("mps")):
+        for name in ("32", "fp16"):
+            assert precision_unavailable_reason(name, device) is None, (name, device)
+    assert precision_unavailable_reason("bf16", torch.device("mps")) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available. Disabling"
+        fp16 = Precision("fp16", torch.device("cuda"))
+    assert isinstance(fp16.scaler, torch.amp.GradScaler)
+    assert Precision("fp16", torch.device("mps")).scaler is None
+    assert Precision("32", torch.device("cuda")).scaler is None
+
+
 def test_the_cpu_policies_dtypes_and_scaler() -> None:
     """``--strategy cpu``: autocast dtypes; a GradScaler only for fp16 on CUDA."""
     assert [Precision(n, CPU).dtype for n in ("32", "bf16", "fp16")] == [
@@ -180,6 +201,8 @@ def test_the_cpu_policies_dtypes_and_scaler() -> None:
     with Precision("bf16", CPU).autocast():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert torch.is_autocast_enabled("cpu")
+    with Precision("fp16", CPU).autocast():
+        assert torch.get_autocast_dtype("cpu") == torch.float16
     with Precision("32", CPU).autocast():
         assert not torch.is_autocast_enabled("cpu")
     model = nn.Linear(2, 2)
@@ -200,3 +223,15 @@ def test_outputs_leave_autocast_as_float32_in_the_same_containers() -> None:
     assert out["a"][1][1].dtype == out["b"].ids.dtype == torch.int64  # not floating: kept
     assert out["c"] == "text"
     assert torch.equal(out["b"].logits, torch.ones(2))
+
+
+def test_a_closure_reaches_the_scaler_which_refuses_it() -> None:
+    """``--strategy cpu`` with a GradScaler: ``optimizer.step(closure)`` is not ignored
+    silently (torch's GradScaler says it does not support closures)."""
+    model = _model()
+    precision = Precision("fp16", CPU)
+    precision.scaler = torch.amp.GradScaler("cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    precision.backward(model(torch.ones(1, 6)).sum())
+    with pytest.raises(RuntimeError, match=r"[Cc]losure"):
+        precision.optimizer_step(optimizer, closure=lambda: torch.tensor(0.0))
