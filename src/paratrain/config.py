@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -127,11 +128,14 @@ class TrainConfig:
         check_oom_mode(cfg.oom)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)
-        if cfg.lr is None or not cfg.lr > 0:
+        if cfg.lr is None or not (cfg.lr > 0 and math.isfinite(cfg.lr)):
             raise UserError(f"--lr must be a positive number, got {cfg.lr}")
+        if not 0 <= cfg.seed < 2**63:
+            raise UserError(f"--seed must be between 0 and 2**63-1, got {cfg.seed}")
         recipe.check_data_options(cfg.data_dir, cfg.synthetic, cfg.download)
         strategy = build_strategy(cfg.strategy, cfg.devices, cfg.runtime_config().options)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
+        _check_strategy_options(cfg, strategy.name)
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
         check_speed(strategy, cfg.speed_options())
         if strategy.checks_model:  # e.g. fsdp on a model without parameters
@@ -181,6 +185,26 @@ class TrainConfig:
 def _names(listed: str | None) -> tuple[str, ...]:
     """``"a, b"`` -> ``("a", "b")``."""
     return tuple(n.strip() for n in (listed or "").split(",") if n.strip())
+
+
+#: options that only one strategy reads: given to another one, they would do nothing
+STRATEGY_OPTIONS = {
+    "fsdp_blocks": "fsdp",
+    "pipeline_split": "pipeline",
+    "pipeline_schedule": "pipeline",
+    "pipeline_microbatches": "pipeline",
+}
+
+
+def _check_strategy_options(cfg: TrainConfig, strategy: str) -> None:
+    defaults = TrainConfig()
+    for name, owner in STRATEGY_OPTIONS.items():
+        if strategy != owner and getattr(cfg, name) != getattr(defaults, name):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(
+                f"{flag} applies to --strategy {owner} only, not {strategy}; drop {flag} or "
+                f"use --strategy {owner}"
+            )
 
 
 def _positive(flag: str, value: int | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from paratrain import rundir
 from paratrain.config import TrainConfig
+from paratrain.errors import UserError
 from paratrain.loaders import DeviceLoader
 from paratrain.loop_timing import LoopClock, LoopTimes
 from paratrain.progress import TrainProgress
@@ -116,6 +117,12 @@ def train(
     recipe = get_recipe(cfg.recipe)
     assert cfg.epochs is not None and cfg.batch_size is not None
     train_set, test_set = recipe.build_data(cfg)
+    size = len(train_set) if isinstance(train_set, Sized) else None
+    if size is not None and cfg.batch_size > size:  # one short batch an epoch, or none
+        raise UserError(
+            f"--batch-size {cfg.batch_size} is larger than the training set ({size} "
+            f"samples); use at most {size}"
+        )
     model = recipe.build_model(cfg)
     optimizer = recipe.build_optimizer(model.parameters(), cfg)
     plain_loss = recipe.build_loss()
@@ -162,7 +169,8 @@ def train(
         for epoch in range(at.epoch, cfg.epochs):
             batch = at.batch if epoch == at.epoch else 0
             if step >= total and batch == 0:
-                break  # resumed from the checkpoint that ended the run
+                epoch -= 1  # resumed from the checkpoint that ended the run: none trained here
+                break
             train_loader.set_epoch(epoch, batch)
             model.train()
             loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from pathlib import Path
 from typing import Any
 
 from paratrain import rundir
-from paratrain.config import TrainConfig
+from paratrain.config import STRATEGY_OPTIONS, TrainConfig
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
 from paratrain.recipes import get_recipe
@@ -136,6 +137,10 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
     changes["progress"] = given.get("progress", True)  # not inherited from the first run
     if "strategy" in given and "devices" not in given:
         changes["devices"] = None  # the run's devices were meant for its strategy
+    if "strategy" in given:  # the options of the run's strategy do not apply to another
+        defaults = TrainConfig()
+        for name in STRATEGY_OPTIONS:
+            changes.setdefault(name, given.get(name, getattr(defaults, name)))
     cfg = dataclasses.replace(
         saved, **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)
     ).resolved(get_recipe)
@@ -161,10 +166,36 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
 def _saved_config(payload: dict[str, Any], run_dir: Path) -> TrainConfig:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in payload["config"].items() if k in known}
+    hints = typing.get_type_hints(TrainConfig)
+    for name, value in values.items():
+        if not _has_type(value, hints[name]):
+            raise UserError(
+                f"--resume: {run_dir / rundir.CONFIG} is damaged: {name} is {value!r}, not "
+                f"{_type_name(hints[name])}"
+            )
     try:
         return TrainConfig(**values)
     except TypeError as exc:
         raise UserError(f"--resume: {run_dir / rundir.CONFIG} is damaged ({exc})") from None
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field typed ``int``, ``float | None``, ``str``..."""
+    for kind in typing.get_args(hint) or (hint,):  # int | None: (int, NoneType)
+        if kind is type(None) and value is None:
+            return True
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if kind in (str, bool) and isinstance(value, kind):
+            return True
+    return False
+
+
+def _type_name(hint: Any) -> str:
+    names = [getattr(t, "__name__", str(t)) for t in typing.get_args(hint) or (hint,)]
+    return " or ".join("null" if n == "NoneType" else n for n in names)
 
 
 def _same(name: str, given: Any, saved: Any) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -108,10 +109,18 @@ class MetricsWriter:
     """
 
     def __init__(self, path: Path, keep_lines: int | None = None) -> None:
-        if keep_lines is not None and path.exists():
-            kept = path.read_text(encoding="utf-8").splitlines(keepends=True)[:keep_lines]
+        if keep_lines is not None:
+            text = path.read_text(encoding="utf-8") if path.exists() else ""
+            kept = text.splitlines(keepends=True)[:keep_lines]
             kept = [line for line in kept if line.endswith("\n")]  # not a half-written line
-            atomic_write(path, lambda tmp: _write_lines(tmp, kept))
+            if len(kept) < keep_lines:  # never silently: the run's record has a gap
+                print(
+                    f"paratrain: note: {path} has {len(kept)} line(s), the checkpoint recorded "
+                    f"{keep_lines}: {keep_lines - len(kept)} line(s) were lost before this resume",
+                    file=sys.stderr,
+                )
+            if path.exists():
+                atomic_write(path, lambda tmp: _write_lines(tmp, kept))
         self.lines = _count_lines(path)
         self._handle: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
 

@@ -96,6 +96,13 @@ def read_file(path: Path) -> Checkpoint:
 
 def _read_directory(directory: Path) -> Checkpoint:
     weights = directory / WEIGHTS_FILE
+    if not weights.is_file() and (directory / STATE_FILE).is_file():
+        # A training checkpoint: its other .pt files hold optimizer and generator states,
+        # never weights.
+        raise UserError(
+            f"{weights} is missing: this checkpoint has no weights; inspect another "
+            "checkpoint of the run, or the run's final model.safetensors"
+        )
     if not weights.is_file():
         weights = _only_weights_file(directory)
     checkpoint = read_file(weights)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.atomic import atomic_write
+from paratrain.checkpoint.readers import pickled_globals
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.export.torchao_api import import_torchao
@@ -61,9 +62,18 @@ def load_quantized(path: str | Path, map_location: str | torch.device | None = N
         raise UserError(f"no such file: {path}")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise UserError(f"{path} holds objects that are refused when loading: {first}") from None
+    except pickle.UnpicklingError:
+        # torch's message advises weights_only=False: never the right advice for bad bytes.
+        code = pickled_globals(path)
+        if code:
+            raise UserError(
+                f"{path} holds objects that are refused when loading (GLOBAL "
+                f"{', '.join(code[:3])}); none of it was run"
+            ) from None
+        raise UserError(
+            f"{path} is not a quantized model written by paratrain export (not a valid "
+            "torch.save file)"
+        ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
         raise UserError(
             f"{path} is not a readable quantized model ({type(exc).__name__})"
