@@ -15,16 +15,19 @@ from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
     nodes_from_args,
+    requeue_on_stop,
+    slurm_nodes,
 )
 from paratrain.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.elastic import start_agent
 from paratrain.errors import UserError
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
+from paratrain.preemption import Stopped
 from paratrain.recipes import get_recipe, recipe_names
 from paratrain.resume import resume_config
 from paratrain.runtime import Runtime
-from paratrain.strategies import describe_strategies
+from paratrain.strategies import build_strategy, describe_strategies
 from paratrain.tensorboard_logger import require_tensorboard
 
 
@@ -211,7 +214,7 @@ def _sets_up_out(nodes: Nodes) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    nodes = nodes_from_args(args)
+    nodes_from_args(args)  # the launch options are checked first
     apply_to_environment(args)
     if getattr(args, "resume", None) is not None:
         if getattr(args, "fresh", False):
@@ -219,14 +222,20 @@ def run(args: argparse.Namespace) -> int:
         cfg = resume_config(args.resume, given_options(args))
     else:
         cfg = config_from_args(args)
-        if getattr(args, "fresh", False):
-            if _sets_up_out(nodes):
-                set_aside(cfg.out)
-        else:
-            planned = plan(cfg, given_options(args))
-            if planned is None:
-                return 0  # this run, finished: nothing to do
-            cfg = planned
-    if nodes.uses_agent and not launched():
-        return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
-    return train_command(cfg)
+    processes = build_strategy(cfg.strategy, cfg.devices).num_processes
+    nodes, tasks = slurm_nodes(args, processes)  # under srun, SLURM's environment decides
+    if cfg.resume_from is None and getattr(args, "fresh", False):
+        if _sets_up_out(nodes):
+            set_aside(cfg.out)
+    elif cfg.resume_from is None:
+        planned = plan(cfg, given_options(args))
+        if planned is None:
+            return 0  # this run, finished: nothing to do
+        cfg = planned
+    try:
+        if nodes.uses_agent and not launched():
+            return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
+        return train_command(cfg)
+    except Stopped as stop:
+        requeue_on_stop(args, tasks, stop)
+        raise
