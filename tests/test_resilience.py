@@ -4,11 +4,13 @@ losses, and errors printed once. Real processes on gloo, each run bounded in tim
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -290,25 +292,105 @@ def test_ranks_with_different_numbers_of_batches(mode: str, tmp_path: Path) -> N
 RESTART_SETTINGS = [*CPU2, "--max-steps", "30", "--save-every", "5", "--batch-size", "64"]
 
 
+FAKE_SCONTROL = """#!/bin/sh
+echo "$@" >> "$SCONTROL_LOG"
+if [ "$1" = show ]; then printf '127.0.0.1\\n127.0.0.2\\n'; fi
+"""
+
+
+def _together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> list[Any]:
+    """Start every command at once (the processes of one run), wait for all."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "paratrain", *argv],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for argv, env in commands
+    ]
+    try:
+        outputs = [process.communicate(timeout=300) for process in started]
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return [(p.returncode, out, err) for p, (out, err) in zip(started, outputs, strict=True)]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_killed_process_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
-    reference = paratrain("train", *RESTART_SETTINGS, "--no-progress", "--out", "ref", cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    result = paratrain(
-        "train",
-        *RESTART_SETTINGS,
-        "--no-progress",
-        "--max-restarts",
-        "1",
-        "--out",
-        "run",
-        cwd=tmp_path,
-        PARATRAIN_TEST_FAULT="kill:1:12:1",  # rank 1, step 12 (mid-epoch), first attempt only
+@pytest.mark.timeout(600)
+def test_a_run_moved_between_schedulers_and_stopped_four_times_ends_bit_identical(
+    tmp_path: Path,
+) -> None:
+    """ddp over 2 gloo processes, 30 steps. The reference: two Kubernetes "pods" with the
+    environment a PyTorchJob sets. Then one run, always the same command on --out run:
+    2 SLURM tasks on 2 "nodes" (127.0.0.[1-2]) stopped by SIGUSR1 on one rank and requeued
+    with a fake scontrol; torchrun's agent (--max-restarts 1), a rank killed (one note, no
+    tracebacks) and then SIGTERM; the agent again, Ctrl-C; plain processes to the end."""
+    train = ["train", "--strategy", "ddp", "--max-steps", "30", "--save-every", "5"]
+    train += ["--batch-size", "64", "--no-progress", "--out"]
+    port = str(free_port())
+    pods = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
+    pods |= {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_PORT": port}
+    done = _together(
+        [
+            ([*train, "ref"], subprocess_env(**pods, RANK=str(r), PET_NODE_RANK=str(r)))
+            for r in (0, 1)
+        ],
+        tmp_path,
     )
+    assert [code for code, _, _ in done] == [0, 0], done[0][2][-3000:]
+    assert "trained 2 epoch(s), 30 steps" in done[0][1]
+
+    k1, k2 = random.randint(1, 9), random.randint(13, 18)  # 10: the checkpoint restarted from
+    k3 = random.randint(k2 + 1, 29)
+    print(f"\nstops after steps {k1} (SLURM), {k2} (agent), {k3} (agent, Ctrl-C)")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
+    log = tmp_path / "scontrol.log"
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}
+    slurm |= {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_LOCALID": "0"}
+    slurm |= {"SLURM_TASKS_PER_NODE": "1(x2)", "MASTER_PORT": str(free_port())}
+    slurm |= {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SCONTROL_LOG": str(log)}
+    slurm |= {"PARATRAIN_TEST_FAULT": f"sigusr1:1:{k1}"}
+    tasks = [
+        (
+            [*train, "run", "--requeue"],
+            subprocess_env(**slurm, SLURM_PROCID=str(r), SLURM_NODEID=str(r)),
+        )
+        for r in (0, 1)
+    ]
+    done = _together(tasks, tmp_path)
+    err = done[0][2]
+    assert [code for code, _, _ in done] == [138, 138], err[-3000:]
+    stop = f"paratrain: stopped by SIGUSR1 after step {k1}: checkpoint run/checkpoints/step-"
+    assert err.startswith(stop) and "paratrain: note: job 4242 requeued" in err, err
+    assert err.count("\n") == 2 and done[1][2] == "", done[1][2]  # task 1 says nothing
+    calls = log.read_text().splitlines()
+    assert calls.count("requeue 4242") == 1 and "show hostnames 127.0.0.[1-2]" in calls
+
+    agent = [*train, "run", "--devices", "cpu,cpu", "--max-restarts", "1"]
+    faults = f"kill:1:12:1,launcher-sigterm:0:{k2}"
+    result = paratrain(*agent, cwd=tmp_path, PARATRAIN_TEST_FAULT=faults)
+    assert result.returncode == 143, result.stderr[-3000:]
+    restart = "paratrain: note: rank 1 died (killed, or exited without an error); restart 1: "
+    assert result.stdout.startswith(restart + "continuing from run/checkpoints/step-000010")
+    assert f"paratrain: stopped by SIGTERM after step {k2}" in result.stderr
+    assert result.stderr.count("\n") == 2, result.stderr  # the autoresume note and the stop
+    result = paratrain(*agent, cwd=tmp_path, PARATRAIN_TEST_FAULT=f"launcher-sigint:1:{k3}")
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert f"paratrain: stopped by SIGINT after step {k3}" in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 2
+
+    result = paratrain(*train, "run", "--devices", "cpu,cpu", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "restart 1: continuing from run/checkpoints/step-000010" in result.stdout
-    assert "exitcode: -9" in result.stderr  # the agent saw the kill (SIGKILL)
+    assert f"continuing from run/checkpoints/step-{k3:06d}" in result.stderr
     ref, run = weights(tmp_path / "ref"), weights(tmp_path / "run")
     assert all(torch.equal(ref[k], run[k]) for k in ref)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()

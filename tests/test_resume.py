@@ -294,8 +294,8 @@ def test_resume_refuses_conflicting_options_and_bad_paths(
     assert code == 2 and "no such directory" in err
     code, err = _train(capsys, "--resume", str(run / "checkpoints" / "step-000002"))
     assert code == 2 and "newer checkpoints (step-000004, step-000005)" in err
-    code, err = _train(capsys, "--out", str(run), *common)
-    assert code == 2 and f"--resume {run}" in err
+    code, err = _train(capsys, "--out", str(run), *common, "--seed", "9")  # not the same run
+    assert code == 2 and "another configuration: --seed 9 (the run: 0)" in err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     shutil.rmtree(run / "checkpoints")
     code, err = _train(capsys, "--resume", str(run))

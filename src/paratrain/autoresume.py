@@ -88,7 +88,7 @@ def plan(cfg: TrainConfig, given: dict[str, Any]) -> TrainConfig | None:
         raise UserError(
             f"--out {directory} holds a run with another configuration: {'; '.join(found)}; "
             "run its command to continue it, pass --fresh to start over (the old run is "
-            "moved aside), or choose another --out"
+            "moved aside) or --overwrite to replace it, or choose another --out"
         )
     checkpoint = latest_checkpoint(directory)
     if checkpoint is None:

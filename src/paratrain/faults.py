@@ -1,6 +1,6 @@
 """Test hooks that make one rank fail at a given optimizer step, as clusters do.
 
-``PARATRAIN_TEST_FAULT=KIND:RANK:STEP[:ATTEMPTS]``, read once per process; KIND is
+``PARATRAIN_TEST_FAULT=KIND:RANK:STEP[:ATTEMPTS][,...]``, read once per process; KIND is
 
 * ``kill``: the rank sends itself SIGKILL;
 * ``stall``: the rank sleeps for an hour (a hang);
@@ -24,38 +24,40 @@ from typing import Any
 FAULT_VARIABLE = "PARATRAIN_TEST_FAULT"
 _SIGNALS = ("sigterm", "sigusr1", "sigint", "launcher-sigterm", "launcher-sigint")
 _KINDS = ("kill", "stall", "nan", *_SIGNALS)
-_parsed: tuple[str, int, int] | bool | None = False
+#: the faults of this process (kind, rank, step); False until read
+_parsed: list[tuple[str, int, int]] | bool = False
 
 
-def _fault() -> tuple[str, int, int] | None:
+def _faults() -> list[tuple[str, int, int]]:
     global _parsed
     if _parsed is False:
-        _parsed = None
-        raw = os.environ.get(FAULT_VARIABLE)
-        if raw:
-            kind, rank, step, *attempts = raw.split(":")
+        _parsed = []
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        for item in (os.environ.get(FAULT_VARIABLE) or "").split(","):
+            if not item:
+                continue
+            kind, rank, step, *attempts = item.split(":")
             if kind not in _KINDS:
                 raise ValueError(f"{FAULT_VARIABLE}: unknown kind {kind!r}")
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if not attempts or restart < int(attempts[0]):
-                _parsed = (kind, int(rank), int(step))
-    return _parsed if isinstance(_parsed, tuple) else None
+                _parsed.append((kind, int(rank), int(step)))
+    return _parsed if isinstance(_parsed, list) else []
 
 
 def at_step(rank: int, step: int, loss: Any) -> Any:
     """Apply the fault meant for ``rank`` at optimizer step ``step`` (1-based), if any."""
-    global _parsed
-    fault = _fault()
-    if fault is None or fault[1:] != (rank, step):
-        return loss
-    kind = fault[0]
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "stall":
-        time.sleep(3600)
-    elif kind in _SIGNALS:
-        _parsed = None  # once: a step of several micro-batches comes here for each
-        target = os.getppid() if kind.startswith("launcher-") else os.getpid()
-        os.kill(target, getattr(signal, kind.removeprefix("launcher-").upper()))
-        return loss
-    return loss * float("nan")
+    for fault in _faults():
+        if fault[1:] != (rank, step):
+            continue
+        kind = fault[0]
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stall":
+            time.sleep(3600)
+        elif kind in _SIGNALS:
+            _faults().remove(fault)  # once: each micro-batch of a step comes here
+            target = os.getppid() if kind.startswith("launcher-") else os.getpid()
+            os.kill(target, getattr(signal, kind.removeprefix("launcher-").upper()))
+        else:
+            loss = loss * float("nan")
+    return loss

@@ -5,6 +5,7 @@ parser and sets ``handler`` to a function ``(args) -> exit code``."""
 COMMAND_MODULES = (
     "train",
     "run",
+    "slurm",
     "info",
     "recipes",
     "ckpt",

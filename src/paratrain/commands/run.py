@@ -14,6 +14,9 @@ script's. `--hang-timeout` and `--skip-nonfinite` reach the script's runtime as
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,11 @@ from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
     nodes_from_args,
+    requeue_on_stop,
+    slurm_nodes,
 )
 from paratrain.errors import UserError
+from paratrain.preemption import Stopped
 from paratrain.runtime import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
 from paratrain.strategies import build_strategy
 from paratrain.threads import choose_for
@@ -120,17 +126,29 @@ def _number(name: str, value: str) -> float:
 def run(args: argparse.Namespace) -> int:
     script_args = _options_after_the_script(args)
     strategy, devices = args.strategy or "auto", args.devices
-    nodes = nodes_from_args(args)
+    nodes_from_args(args)
     apply_to_environment(args)
     if not Path(args.script).is_file():
         raise UserError(f"script {args.script} does not exist")
     RuntimeConfig(strategy=strategy, devices=devices).validate()
     built = build_strategy(strategy, devices)  # bad --devices fail here, before any process
+    nodes, tasks = slurm_nodes(args, built.num_processes)
     env = {STRATEGY_VARIABLE: built.name}
     # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
     env.update(choose_for(built.num_processes).child_environment())
     if devices is not None:
         env[DEVICES_VARIABLE] = devices
-    entry = ["paratrain.entry", "run", args.script, *script_args]
-    run_agent(entry, built.num_processes, env, nodes, args.script)
+    try:
+        if tasks is not None and not nodes.uses_agent:
+            # srun started one task per process: this one is a rank, the script runs here
+            os.environ.update(env)
+            sys.argv = [args.script, *script_args]
+            sys.path.insert(0, str(Path(args.script).resolve().parent))
+            runpy.run_path(args.script, run_name="__main__")
+            return 0
+        entry = ["paratrain.entry", "run", args.script, *script_args]
+        run_agent(entry, built.num_processes, env, nodes, args.script)
+    except Stopped as stop:
+        requeue_on_stop(args, tasks, stop)
+        raise
     return 0

@@ -16,16 +16,20 @@ from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
     nodes_from_args,
+    requeue_on_stop,
+    slurm_nodes,
 )
 from paratrain.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.elastic import start_agent
 from paratrain.errors import UserError
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
+from paratrain.preemption import Stopped
 from paratrain.recipes import get_recipe, recipe_names
 from paratrain.resume import resume_config
 from paratrain.runtime import Runtime
-from paratrain.strategies import describe_strategies
+from paratrain.slurm import SlurmTasks
+from paratrain.strategies import build_strategy, describe_strategies
 from paratrain.tensorboard_logger import require_tensorboard
 from paratrain.training_state import CHECKPOINTS
 
@@ -225,34 +229,42 @@ def _sets_up_out(nodes: Nodes) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    nodes = nodes_from_args(args)
+    nodes_from_args(args)  # the launch options are checked first
     apply_to_environment(args)
-    # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
-    # of a launcher that started every process with this command (torchrun).
-    directory = _run_directory(args)
-    locks = directory is not None and nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
-    with run_lock.hold(directory) if locks and directory else contextlib.nullcontext():
-        return _run_locked(args, nodes)
-
-
-def _run_locked(args: argparse.Namespace, nodes: Nodes) -> int:
+    directory = _run_directory(args)  # gives --out its default before the config is built
     if getattr(args, "resume", None) is not None:
         if getattr(args, "fresh", False):
             raise UserError("--resume continues a run; --fresh would start over: drop one")
         cfg = resume_config(args.resume, given_options(args))
     else:
         cfg = config_from_args(args)
-        if getattr(args, "fresh", False):
-            if _sets_up_out(nodes):
-                _set_aside_keeping_the_lock(cfg.out)
-        else:
-            planned = plan(cfg, given_options(args))
-            if planned is None:
-                return 0  # this run, finished: nothing to do
-            cfg = planned
-    if nodes.uses_agent and not launched():
-        return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
-    return train_command(cfg)
+    processes = build_strategy(cfg.strategy, cfg.devices).num_processes
+    nodes, tasks = slurm_nodes(args, processes)  # under srun, SLURM's environment decides
+    # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
+    # of a launcher that started every process with this command (torchrun, srun).
+    locks = directory is not None and nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+    with run_lock.hold(directory) if locks and directory else contextlib.nullcontext():
+        return _run_locked(args, cfg, nodes, tasks)
+
+
+def _run_locked(
+    args: argparse.Namespace, cfg: TrainConfig, nodes: Nodes, tasks: SlurmTasks | None
+) -> int:
+    if cfg.resume_from is None and getattr(args, "fresh", False):
+        if _sets_up_out(nodes):
+            _set_aside_keeping_the_lock(cfg.out)
+    elif cfg.resume_from is None:
+        planned = plan(cfg, given_options(args))
+        if planned is None:
+            return 0  # this run, finished: nothing to do
+        cfg = planned
+    try:
+        if nodes.uses_agent and not launched():
+            return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
+        return train_command(cfg)
+    except Stopped as stop:
+        requeue_on_stop(args, tasks, stop)
+        raise
 
 
 def _set_aside_keeping_the_lock(out: str | None) -> None:

@@ -48,6 +48,11 @@ def local_process_count() -> int | None:
     """How many processes the launcher started on this machine, None if not launched."""
     if not launched():
         return None
+    # A Kubeflow PyTorchJob that starts paratrain without torchrun sets no LOCAL_WORLD_SIZE
+    # but says how many processes each pod runs.
+    per_pod = os.environ.get("PET_NPROC_PER_NODE", "")
+    if "LOCAL_WORLD_SIZE" not in os.environ and per_pod.isdigit():
+        return int(per_pod)
     return env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))
 
 
