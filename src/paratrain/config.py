@@ -95,6 +95,8 @@ class TrainConfig:
     pipeline_microbatches: int = 4
     #: intra-op threads of each process; None: chosen (paratrain.threads)
     threads: int | None = None
+    #: a torch profiler trace of this many steps into RUN/profile/
+    profile: int | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -120,6 +122,8 @@ class TrainConfig:
             _positive("--save-every", cfg.save_every)
         if cfg.threads is not None:
             _positive("--threads", cfg.threads)
+        if cfg.profile is not None:
+            _positive("--profile", cfg.profile)
         _positive("--keep", cfg.keep)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)

@@ -18,6 +18,7 @@ from paratrain import rundir
 from paratrain.config import TrainConfig
 from paratrain.loaders import DeviceLoader
 from paratrain.loop_timing import LoopClock, LoopTimes
+from paratrain.profiling import StepProfiler
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
@@ -29,6 +30,7 @@ from paratrain.training_state import (
     TrainingParts,
     load_checkpoint,
 )
+from paratrain.watch import RunWatch
 from paratrain.weights import unwrap_model
 
 
@@ -132,12 +134,15 @@ def train(
         total = min(total, cfg.max_steps)
     step, samples, start = at.step, 0, time.perf_counter()
     clock = LoopClock(rt.device)
+    watch = RunWatch(rt)  # throughput, MFU, peak memory
+    profiler = StepProfiler(directory, cfg.profile, rt.rank)
     rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
     accuracy = last.get("eval_accuracy")
     epoch = at.epoch - 1
     with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
+        bar.mfu_of = watch.mfu
         for epoch in range(at.epoch, cfg.epochs):
             batch = at.batch if epoch == at.epoch else 0
             if step >= total and batch == 0:
@@ -149,6 +154,7 @@ def train(
             if epoch == at.epoch:
                 loss_sum += at.loss_sum
                 count = at.samples
+            epoch_start, epoch_samples = time.perf_counter(), samples
             for x, y in train_loader if step < total else ():
                 with rt.accumulate(model):
                     loss = rt.forward_backward(model, loss_fn, x, y)
@@ -164,6 +170,8 @@ def train(
                 batch += 1
                 step += applied
                 clock.batch_done(samples)
+                watch.count(model, plain_loss, x, y)  # once, on the main process
+                profiler.step()
                 if bar.due():
                     bar.update(step, epoch, loss.item(), samples)
                 if tb is not None and tb.due():
@@ -176,19 +184,22 @@ def train(
             if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
                 with clock.measure("checkpoint"):
                     saver.save(epoch, batch, step, loss_sum, count)
-            train_loss = _mean_over_processes(rt, loss_sum, count)
+            train_loss = _mean_over_processes(rt, loss_sum, count)  # waits for the device
+            speed = (samples - epoch_samples) / max(time.perf_counter() - epoch_start, 1e-9)
+            watched = {**watch.record(speed), "peak_memory_bytes": watch.peak_memory()}
             with clock.measure("eval"):
                 eval_loss, accuracy = evaluate(
                     rt, model, test_loader, plain_loss, recipe.classification
                 )
             bar.update(step, epoch, train_loss, samples)
             if writer is not None:
-                writer.write(_record(epoch, step, "train", train_loss, None))
+                writer.write({**_record(epoch, step, "train", train_loss, None), **watched})
                 writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
             if tb is not None:
                 epoch_values = {"loss/train_epoch": train_loss, "loss/eval": eval_loss}
                 tb.log({**epoch_values, "accuracy/eval": accuracy}, step)
                 tb.log_progress(step, optimizer, samples / max(time.perf_counter() - start, 1e-9))
+                tb.log({"throughput/mfu": watched["mfu"]}, step)
             saver.last_metrics = {
                 "train_loss": train_loss,
                 "eval_loss": eval_loss,
@@ -205,6 +216,7 @@ def train(
                     on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
             if step >= total:
                 break
+    profiler.close()
     with clock.measure("checkpoint"):
         saver.wait()  # the last checkpoint is complete before the run is marked finished
     seconds = time.perf_counter() - start

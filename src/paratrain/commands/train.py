@@ -138,6 +138,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true", help="log metrics into OUT/tensorboard/")
+    p.add_argument(
+        "--profile",
+        type=int,
+        metavar="STEPS",
+        help="write a torch profiler trace of STEPS steps (after one warm-up step) into "
+        "OUT/profile/ (TensorBoard, Perfetto)",
+    )
     add_launch_arguments(p)
     # Every option left out stays None, so that --resume knows which ones were given.
     p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
