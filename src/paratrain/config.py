@@ -97,6 +97,8 @@ class TrainConfig:
     threads: int | None = None
     #: a torch profiler trace of this many steps into RUN/profile/
     profile: int | None = None
+    #: log params, metrics and the final weights to this MLflow tracking URI or folder
+    mlflow: str | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,11 +19,13 @@ from paratrain import rundir
 from paratrain.config import TrainConfig
 from paratrain.loaders import DeviceLoader
 from paratrain.loop_timing import LoopClock, LoopTimes
+from paratrain.mlflow_logger import MlflowLogger
 from paratrain.profiling import StepProfiler
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
 from paratrain.tensorboard_logger import TensorBoardLogger
+from paratrain.threads import ContentionGuard
 from paratrain.training_state import (
     Checkpointer,
     Position,
@@ -127,6 +130,10 @@ def train(
     tb = None  # --tensorboard: RUN/tensorboard/, written by the main process
     if cfg.tensorboard and directory is not None:
         tb = TensorBoardLogger(directory, rt, purge_step=at.step if resumed else None)
+    ml = None  # --mlflow: one MLflow run, written by the main process
+    if cfg.mlflow is not None and rt.is_main:
+        ml = MlflowLogger(cfg.mlflow, directory.name if directory is not None else cfg.recipe)
+        ml.log_params({"config": cfg.to_dict(), "runtime": rt.describe()})
 
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
@@ -136,6 +143,7 @@ def train(
     clock = LoopClock(rt.device)
     watch = RunWatch(rt)  # throughput, MFU, peak memory
     profiler = StepProfiler(directory, cfg.profile, rt.rank)
+    contention = ContentionGuard(torch.get_num_threads())  # started late, other work: 1 thread
     rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
@@ -172,6 +180,8 @@ def train(
                 clock.batch_done(samples)
                 watch.count(model, plain_loss, x, y)  # once, on the main process
                 profiler.step()
+                if (note := contention.check()) is not None:
+                    print(f"paratrain: note: rank {rt.rank}: {note}", file=sys.stderr, flush=True)
                 if bar.due():
                     bar.update(step, epoch, loss.item(), samples)
                 if tb is not None and tb.due():
@@ -187,6 +197,7 @@ def train(
             train_loss = _mean_over_processes(rt, loss_sum, count)  # waits for the device
             speed = (samples - epoch_samples) / max(time.perf_counter() - epoch_start, 1e-9)
             watched = {**watch.record(speed), "peak_memory_bytes": watch.peak_memory()}
+            watched["threads"] = torch.get_num_threads()
             with clock.measure("eval"):
                 eval_loss, accuracy = evaluate(
                     rt, model, test_loader, plain_loss, recipe.classification
@@ -195,6 +206,17 @@ def train(
             if writer is not None:
                 writer.write({**_record(epoch, step, "train", train_loss, None), **watched})
                 writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
+            if ml is not None:
+                ml.log(
+                    {
+                        "train_loss": train_loss,
+                        "eval_loss": eval_loss,
+                        "eval_accuracy": accuracy,
+                        "samples_per_second": speed,
+                        "mfu": watched["mfu"],
+                    },
+                    step,
+                )
             if tb is not None:
                 epoch_values = {"loss/train_epoch": train_loss, "loss/eval": eval_loss}
                 tb.log({**epoch_values, "accuracy/eval": accuracy}, step)
@@ -233,6 +255,10 @@ def train(
     if writer is not None and directory is not None:
         writer.close()
         _finish(rt, cfg, directory, summary)
+    if ml is not None:  # the final weights and config.json as the run's artifacts
+        ml.finish(
+            [] if directory is None else [directory / rundir.WEIGHTS, directory / rundir.CONFIG]
+        )
     rt.barrier()
     return summary
 
