@@ -99,6 +99,10 @@ class TrainConfig:
     threads: int | None = None
     #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
     oom: str = "auto"
+    #: a torch profiler trace of this many steps into RUN/profile/
+    profile: int | None = None
+    #: log params, metrics and the final weights to this MLflow tracking URI or folder
+    mlflow: str | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -124,6 +128,8 @@ class TrainConfig:
             _positive("--save-every", cfg.save_every)
         if cfg.threads is not None:
             _positive("--threads", cfg.threads)
+        if cfg.profile is not None:
+            _positive("--profile", cfg.profile)
         _positive("--keep", cfg.keep)
         check_oom_mode(cfg.oom)
         if cfg.synthetic is not None:

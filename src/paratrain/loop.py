@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
@@ -19,10 +20,13 @@ from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.loaders import DeviceLoader
 from paratrain.loop_timing import LoopClock, LoopTimes
+from paratrain.mlflow_logger import MlflowLogger
+from paratrain.profiling import StepProfiler
 from paratrain.progress import TrainProgress
 from paratrain.recipes import get_recipe
 from paratrain.runtime import Runtime
 from paratrain.tensorboard_logger import TensorBoardLogger
+from paratrain.threads import ContentionGuard
 from paratrain.training_state import (
     CHECKPOINTS,
     Checkpointer,
@@ -32,6 +36,7 @@ from paratrain.training_state import (
     load_checkpoint,
 )
 from paratrain.training_state.store import checkpoint_name
+from paratrain.watch import RunWatch
 from paratrain.weights import unwrap_model
 
 
@@ -151,6 +156,10 @@ def train(
     tb = None  # --tensorboard: RUN/tensorboard/, written by the main process
     if cfg.tensorboard and directory is not None:
         tb = TensorBoardLogger(directory, rt, purge_step=at.step if resumed else None)
+    ml = None  # --mlflow: one MLflow run, written by the main process
+    if cfg.mlflow is not None and rt.is_main:
+        ml = MlflowLogger(cfg.mlflow, directory.name if directory is not None else cfg.recipe)
+        ml.log_params({"config": cfg.to_dict(), "runtime": rt.describe()})
 
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
@@ -158,6 +167,9 @@ def train(
         total = min(total, cfg.max_steps)
     step, samples, start = at.step, 0, time.perf_counter()
     clock = LoopClock(rt.device)
+    watch = RunWatch(rt)  # throughput, MFU, peak memory
+    profiler = StepProfiler(directory, cfg.profile, rt.rank)
+    contention = ContentionGuard(torch.get_num_threads())  # started late, other work: 1 thread
     rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
@@ -166,6 +178,7 @@ def train(
     if rt.should_stop():  # from here on a signal stops after a step (and before the first)
         _stop(rt, saver, clock, (at.epoch, at.batch, step), at.loss_sum, at.samples)
     with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
+        bar.mfu_of = watch.mfu
         for epoch in range(at.epoch, cfg.epochs):
             batch = at.batch if epoch == at.epoch else 0
             if step >= total and batch == 0:
@@ -178,6 +191,7 @@ def train(
             if epoch == at.epoch:
                 loss_sum += at.loss_sum
                 count = at.samples
+            epoch_start, epoch_samples = time.perf_counter(), samples
             for x, y in train_loader if step < total else ():
                 with rt.accumulate(model):
                     loss = rt.forward_backward(model, loss_fn, x, y)
@@ -193,6 +207,10 @@ def train(
                 batch += 1
                 step += applied
                 clock.batch_done(samples)
+                watch.count(model, plain_loss, x, y)  # once, on the main process
+                profiler.step()
+                if (note := contention.check()) is not None:
+                    print(f"paratrain: note: rank {rt.rank}: {note}", file=sys.stderr, flush=True)
                 if bar.due():
                     bar.update(step, epoch, loss.item(), samples)
                 if tb is not None and tb.due():
@@ -207,19 +225,34 @@ def train(
             if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
                 with clock.measure("checkpoint"):
                     saver.save(epoch, batch, step, loss_sum, count)
-            train_loss = _mean_over_processes(rt, loss_sum, count)
+            train_loss = _mean_over_processes(rt, loss_sum, count)  # waits for the device
+            speed = (samples - epoch_samples) / max(time.perf_counter() - epoch_start, 1e-9)
+            watched = {**watch.record(speed), "peak_memory_bytes": watch.peak_memory()}
+            watched["threads"] = torch.get_num_threads()
             with clock.measure("eval"):
                 eval_loss, accuracy = evaluate(
                     rt, model, test_loader, plain_loss, recipe.classification
                 )
             bar.update(step, epoch, train_loss, samples)
             if writer is not None:
-                writer.write(_record(epoch, step, "train", train_loss, None))
+                writer.write({**_record(epoch, step, "train", train_loss, None), **watched})
                 writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
+            if ml is not None:
+                ml.log(
+                    {
+                        "train_loss": train_loss,
+                        "eval_loss": eval_loss,
+                        "eval_accuracy": accuracy,
+                        "samples_per_second": speed,
+                        "mfu": watched["mfu"],
+                    },
+                    step,
+                )
             if tb is not None:
                 epoch_values = {"loss/train_epoch": train_loss, "loss/eval": eval_loss}
                 tb.log({**epoch_values, "accuracy/eval": accuracy}, step)
                 tb.log_progress(step, optimizer, samples / max(time.perf_counter() - start, 1e-9))
+                tb.log({"throughput/mfu": watched["mfu"]}, step)
             saver.last_metrics = {
                 "train_loss": train_loss,
                 "eval_loss": eval_loss,
@@ -238,6 +271,7 @@ def train(
                 break
             if rt.should_stop():  # arrived during the evaluation: the epoch's checkpoint
                 _stop(rt, saver, clock, (epoch + 1, 0, step))
+    profiler.close()
     with clock.measure("checkpoint"):
         saver.wait()  # the last checkpoint is complete before the run is marked finished
     seconds = time.perf_counter() - start
@@ -257,6 +291,10 @@ def train(
     if writer is not None and directory is not None:
         writer.close()
         _finish(rt, cfg, directory, summary)
+    if ml is not None:  # the final weights and config.json as the run's artifacts
+        ml.finish(
+            [] if directory is None else [directory / rundir.WEIGHTS, directory / rundir.CONFIG]
+        )
     rt.barrier()
     return summary
 

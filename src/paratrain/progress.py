@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from rich.console import Console
@@ -32,6 +33,8 @@ class TrainProgress:
         self._total = total_steps
         self._last_refresh = 0.0
         self._start = time.perf_counter()
+        #: samples/s -> model FLOPs utilisation, once the loop knows it
+        self.mfu_of: Callable[[float], float | None] | None = None
         if enabled:
             self._progress = stderr_progress(
                 TextColumn("[bold]{task.description}"),
@@ -39,12 +42,15 @@ class TrainProgress:
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[speed]} samples/s"),
+                TextColumn("{task.fields[mfu]}"),
             )
 
     def __enter__(self) -> TrainProgress:
         if self._progress is not None:
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self._total, loss="-", speed="-")
+            self._task = self._progress.add_task(
+                "train", total=self._total, loss="-", speed="-", mfu=""
+            )
         return self
 
     def due(self) -> bool:
@@ -56,12 +62,14 @@ class TrainProgress:
             return
         self._last_refresh = now = time.perf_counter()
         speed = samples / max(now - self._start, 1e-9)
+        mfu = self.mfu_of(speed) if self.mfu_of is not None else None
         self._progress.update(
             self._task,
             completed=step,
             description=f"epoch {epoch}",
             loss="-" if loss is None else f"{loss:.4f}",
             speed=f"{speed:,.0f}",
+            mfu="" if mfu is None else f"MFU {mfu:.1%}",
         )
 
     def __exit__(

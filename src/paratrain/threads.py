@@ -146,3 +146,54 @@ def apply_here(choice: ThreadChoice) -> None:
 
     if torch.get_num_threads() != choice.threads:
         torch.set_num_threads(choice.threads)
+
+
+def run_delay_seconds() -> float | None:
+    """Seconds this process's threads have waited for a core so far (Linux schedstat)."""
+    total = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(f"{task.path}/schedstat", encoding="ascii") as handle:
+                total += int(handle.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+class ContentionGuard:
+    """Drops this process to one intra-op thread when its threads wait for cores, checked
+    every ``interval`` seconds: other work that starts after the run did (an indexer, a
+    test suite) would otherwise stall every parallel region. One way: it never goes back."""
+
+    #: share of the time a thread waited for a core, above which the cores are contended
+    THRESHOLD = 0.25
+
+    def __init__(self, threads: int, interval: float = 1.0) -> None:
+        self.threads = threads
+        self.interval = interval
+        self._last = time.perf_counter()
+        self._delay = run_delay_seconds() if threads > 1 else None
+
+    def check(self) -> str | None:
+        """Call often (a clock read); returns a note once, when it drops the threads."""
+        if self._delay is None:
+            return None
+        now = time.perf_counter()
+        if now - self._last < self.interval:
+            return None
+        delay = run_delay_seconds()
+        if delay is None:
+            self._delay = None
+            return None
+        waited = (delay - self._delay) / ((now - self._last) * self.threads)
+        self._last, self._delay = now, delay
+        if waited < self.THRESHOLD:
+            return None
+        import torch
+
+        torch.set_num_threads(1)
+        self._delay, before, self.threads = None, self.threads, 1
+        return (
+            f"other work keeps this machine's cores busy (threads waited {waited:.0%} of the "
+            f"time for one): intra-op threads {before} -> 1"
+        )

@@ -24,6 +24,7 @@ from paratrain.elastic import start_agent
 from paratrain.errors import UserError
 from paratrain.launch import launched, on_main
 from paratrain.loop import Summary, train
+from paratrain.mlflow_logger import DEFAULT_URI, require_mlflow
 from paratrain.preemption import Stopped
 from paratrain.recipes import get_recipe, recipe_names
 from paratrain.resume import resume_config
@@ -160,6 +161,21 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true", help="log metrics into OUT/tensorboard/")
+    p.add_argument(
+        "--mlflow",
+        nargs="?",
+        const=DEFAULT_URI,
+        metavar="URI",
+        help="log params, metrics and the final weights to MLflow (a tracking URI or a "
+        "folder; default ./mlruns); needs paratrain[mlflow]",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        metavar="STEPS",
+        help="write a torch profiler trace of STEPS steps (after one warm-up step) into "
+        "OUT/profile/ (TensorBoard, Perfetto)",
+    )
     add_launch_arguments(p)
     # Every option left out stays None, so that --resume knows which ones were given.
     p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
@@ -208,6 +224,8 @@ def train_command(cfg: TrainConfig) -> int:
     cfg = cfg.resolved(get_recipe)
     if cfg.tensorboard:
         require_tensorboard()
+    if cfg.mlflow is not None:
+        require_mlflow()
     if cfg.download and not launched():  # once, before any process starts
         cfg.data_dir = fetch_data(cfg)
     directory = None
