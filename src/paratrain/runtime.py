@@ -258,7 +258,7 @@ class Runtime:
         wrapped = self.strategy.wrap_model(model)
         if optimizer is not None:
             self.strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
-        wrapped = self.speed.wrap_model(wrapped)
+        wrapped = self.speed.wrap_model(wrapped, self.precision.name, self.precision.autocast)
         if len(self.strategy.devices) == 1:  # DataParallel scatters inputs itself
             wrapped = guard_forward(wrapped, self.device)
         wrapped = self.precision.wrap_forward(wrapped)
@@ -393,6 +393,7 @@ class Runtime:
                 if self.config.deterministic:
                     backward = naming_nondeterministic(backward)
                 backward(loss * scale if scale != 1.0 else loss)
+                self.speed.after_backward()  # --compile: the first step checked against eager
         accumulation.micro_batch_done()  # a skipped micro-batch too: on every rank alike
 
     @property
