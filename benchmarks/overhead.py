@@ -4,11 +4,14 @@ Lightning Fabric when installed), same model and data on the CPU, interleaved ro
     python benchmarks/overhead.py                 # pytorch and paratrain
     pip install "paratrain[peers]"                # adds accelerate and fabric
     python benchmarks/overhead.py --rounds 30
+    python benchmarks/overhead.py --collective-check   # ddp on cpu,cpu: the order check's cost
 
 Prints one line per contender: median step time, spread, and the ratio to plain PyTorch.
 ``paratrain`` sets the loader up with the default data path (``auto``: on the CPU, batches
 cut out of the TensorDataset by index); ``paratrain-loader`` keeps the DataLoader's
-per-sample path, which shows the runtime's own cost.
+per-sample path, which shows the runtime's own cost. ``--collective-check`` instead trains
+``ddp`` on two CPU processes with the collective order check
+(:mod:`paratrain.collective_order`) running and stopped, in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -109,6 +112,59 @@ CONTENDERS: dict[str, tuple[Callable[[int, int], EpochFn], str | None]] = {
 }
 
 
+def _check_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
+    """In each ddp process: the same epochs with the order check running, then stopped."""
+    from paratrain import collective_order
+
+    model, optimizer, loader = make_parts(batch, steps)
+    model, optimizer = rt.setup(model, optimizer)
+    epoch = epoch_fn(rt.setup_loader(loader), model, optimizer, rt.backward)
+    times: dict[str, list[float]] = {"check on": [], "check off": []}
+    shuffler = random.Random(0)  # the same order on both processes
+    for round_index in range(warmup + rounds):
+        order = list(times)
+        shuffler.shuffle(order)
+        for name in order:
+            if name == "check on":
+                collective_order.start(rt.rank, rt.world_size)
+            else:
+                collective_order.stop()
+            rt.barrier()
+            start = time.perf_counter()
+            steps_done = epoch()
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                times[name].append(elapsed / steps_done)
+    ledger = collective_order.Ledger()
+    start = time.perf_counter()
+    for _ in range(100_000):
+        with ledger.operation("rt.backward"):
+            pass
+    times["ledger per collective"] = [(time.perf_counter() - start) / 100_000]
+    return times
+
+
+def collective_check(args: argparse.Namespace) -> None:
+    import paratrain
+
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    times = rt.launch(_check_rounds, args.batch, args.steps, args.rounds, args.warmup)
+    assert times is not None
+    print(
+        f"# {cpu_name()}, ddp on cpu,cpu (gloo), torch {torch.__version__}, batch {args.batch}, "
+        f"{args.steps} steps x {args.rounds} rounds"
+    )
+    base = statistics.median(times["check off"])
+    for name in ("check off", "check on"):
+        median = statistics.median(times[name])
+        print(
+            f"{name:>16}: median step {median * 1e6:8.1f} us "
+            f"(min {min(times[name]) * 1e6:.1f}), ratio {median / base:.3f}"
+        )
+    ledger = times["ledger per collective"][0]
+    print(f"{'ledger':>16}: {ledger * 1e6:.2f} us per collective ({ledger / base:.2%} of a step)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -116,8 +172,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="interleaved timed rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--collective-check", action="store_true", help="ddp on cpu,cpu: check on vs off"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.collective_check:
+        collective_check(args)
+        return
 
     epochs: dict[str, EpochFn] = {}
     for name, (build, module) in CONTENDERS.items():

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 
 SAMPLES, BATCH, EPOCHS = 44, 8, 2
+TEST_SAMPLES = 21  # the last evaluation batch (5) splits unevenly
 
 
 def _data() -> TensorDataset:
@@ -100,14 +101,48 @@ def test_the_scripts_seed_wins_and_runtime_seeds_only_when_asked() -> None:
     assert not _equal(one, five)
 
 
-def _ddp_port(rt: paratrain.Runtime) -> dict[str, torch.Tensor]:
-    return _ported(rt, 3, dropout=0.0)
+def _test_set() -> TensorDataset:
+    x = torch.randn(TEST_SAMPLES, 6, generator=torch.Generator().manual_seed(321))
+    return TensorDataset(x, (x[:, 0] > 0).long())
 
 
-def test_ddp_on_two_processes_matches_the_original_without_dropout() -> None:
-    """ddp on cpu,cpu: rank 0's permutation, split in two, is the original's batches."""
+def _correct(model: nn.Module, loader: Any) -> int:
+    """The original script's test(): a plain sum of correct predictions."""
+    correct = 0
+    model.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            correct += int((model(x).argmax(dim=1) == y).sum().item())
+    return correct
+
+
+def _ddp_port(rt: paratrain.Runtime) -> dict[str, Any]:
+    weights = _ported(rt, 3, dropout=0.0)
+    model = _model(0.0)
+    model.load_state_dict(weights)
+    literal = rt.setup_loader(DataLoader(_test_set(), batch_size=BATCH))  # as training's
+    rt.print("literal port:", _correct(model, literal))  # rank 0's part only: paratrain notes it
+    loader = rt.setup_loader(DataLoader(_test_set(), batch_size=BATCH), evaluation=True)
+    correct = rt.all_reduce(torch.tensor(_correct(model, loader))).item()
+    rt.print("as the guide says:", correct)
+    return {"weights": weights, "correct": correct}
+
+
+def test_ddp_on_two_processes_matches_the_original_without_dropout(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """ddp on cpu,cpu: rank 0's permutation, split in two, is the original's batches; the
+    evaluation ported as the guide says counts what one process counts, and the literal
+    port's partial count is announced before it is printed."""
     original = _original(3, dropout=0.0)
     ported = paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(_ddp_port)
     assert ported is not None
     for key, value in original.items():
-        torch.testing.assert_close(ported[key], value, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ported["weights"][key], value, rtol=0, atol=1e-6)
+    model = _model(0.0)
+    model.load_state_dict(original)
+    assert ported["correct"] == _correct(model, DataLoader(_test_set(), batch_size=BATCH))
+    err = capfd.readouterr().err
+    assert err.count("a loader set up for training is iterated under torch.no_grad()") == 1
+    assert "evaluation=True" in err
+    assert err.count("rt.print after an evaluation loop with no rt.all_reduce since") == 1

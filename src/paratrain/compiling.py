@@ -5,7 +5,8 @@ process on one CUDA GPU, where a step of a small model is bound by kernel launch
 graphs remove them; ``default`` elsewhere (CPU, MPS, and ``ddp``, whose gradient hooks run
 between the compiled graphs, so CUDA graphs would capture little and cost memory). A mode
 name (``default``, ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``)
-is used as given.
+is used as given. ``strict`` is ``auto`` whose compile check
+(:mod:`paratrain.compile_check`) raises instead of falling back to eager.
 
 The model is compiled with ``dynamic=False``: every distinct batch shape gets its own static
 graph (the fastest kernels, and what CUDA graphs need). The uneven last batch of an epoch
@@ -33,20 +34,27 @@ AUTO = "auto"
 _THREADED = frozenset({"dp", "dp-balanced"})
 
 
+#: ``"auto"``, and an error instead of a fall back when the compile check disagrees
+STRICT = "strict"
+
+
 def normalize_compile(value: bool | str | None) -> str | None:
-    """``None`` (no compile), ``"auto"`` (``True``) or a mode name; ``UserError`` otherwise."""
+    """``None`` (no compile), ``"auto"`` (``True``), ``"strict"`` or a mode name;
+    ``UserError`` otherwise."""
     if value is None or value is False:
         return None
     if value is True or value == AUTO:
         return AUTO
-    if isinstance(value, str) and value in MODES:
+    if isinstance(value, str) and (value in MODES or value == STRICT):
         return value
-    raise UserError(f"unknown compile mode {value!r}; valid modes: {', '.join(MODES)}")
+    valid = ", ".join((*MODES, STRICT))
+    raise UserError(f"unknown compile mode {value!r}; valid modes: {valid}")
 
 
 def resolve_mode(setting: str, strategy: str) -> str:
-    """The torch.compile mode ``setting`` (``"auto"`` or a mode) means for ``strategy``."""
-    if setting != AUTO:
+    """The torch.compile mode ``setting`` (``"auto"``, ``"strict"`` or a mode) means for
+    ``strategy``."""
+    if setting not in (AUTO, STRICT):
         return setting
     return "reduce-overhead" if strategy == "cuda" else "default"
 

@@ -163,6 +163,13 @@ class DeviceLoader:
         self._sink = loss_weight_sink
         self._next_epoch = 0
         self._epoch_set_by_user = False
+        #: called when an iteration starts under ``torch.no_grad()`` (an evaluation loop)
+        self.on_no_grad: Callable[[DeviceLoader], None] | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        """Whether it was set up to show every sample exactly once across processes."""
+        return self.batch_sampler is None or self.batch_sampler.evaluation
 
     @property
     def dataset(self) -> Any:
@@ -198,6 +205,8 @@ class DeviceLoader:
         else:
             self._next_epoch += 1
         self._epoch_set_by_user = False
+        if self.on_no_grad is not None and not torch.is_grad_enabled():
+            self.on_no_grad(self)
         sink = self._sink
         if sink is None:
             for batch in self._batches():

@@ -180,6 +180,9 @@ class Runtime:
         self.micro_batches = MicroBatches(oom if not self.strategy.trains_in_pipeline else "off")
         self._connected = False
         self._stop: preemption.Request | None = None
+        #: an evaluation loop ran under several processes and nothing was all-reduced since
+        self._unreduced_evaluation = False
+        self._told: set[str] = set()  # the evaluation notes, each said once
         if seed is not None:
             seed_everything(seed)
 
@@ -290,7 +293,7 @@ class Runtime:
         wrapped = self.strategy.wrap_model(model)
         if optimizer is not None:
             self.strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
-        wrapped = self.speed.wrap_model(wrapped)
+        wrapped = self.speed.wrap_model(wrapped, self.precision.name, self.precision.autocast)
         if len(self.strategy.devices) == 1:  # DataParallel scatters inputs itself
             wrapped = guard_forward(wrapped, self.device)
         wrapped = self.precision.wrap_forward(wrapped)
@@ -344,7 +347,7 @@ class Runtime:
         batch_size = loader.batch_size
         if batch_size is not None:
             batch_size = global_batch_size(batch_size, self.config.batch_size_per, shards)
-        return setup_data_path(
+        device_loader = setup_data_path(
             loader,
             device=self.device,
             rank=self.strategy.data_rank,
@@ -357,6 +360,29 @@ class Runtime:
             batch_size=batch_size,
             agree=self._agree_seed if self.world_size > 1 else None,
         )
+        if self.strategy.data_shards > 1:
+            device_loader.on_no_grad = self._evaluation_loop
+        return device_loader
+
+    def _evaluation_loop(self, loader: DeviceLoader) -> None:
+        """A loader iterated under ``torch.no_grad()`` while processes share the data: each
+        process sees only its part, so its sums are partial until all-reduced."""
+        self._unreduced_evaluation = True
+        if not loader.evaluation:
+            self._tell(
+                "training-loader",
+                "a loader set up for training is iterated under torch.no_grad() (an "
+                f"evaluation?) by {self.strategy.data_shards} processes: each sees only its "
+                "part of the data, and a last batch smaller than the number of processes is "
+                "dropped. For evaluation, set it up with rt.setup_loader(loader, "
+                "evaluation=True) (every sample exactly once) and sum the counts with "
+                "rt.all_reduce before printing them (README: Porting a script)",
+            )
+
+    def _tell(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            self.strategy.collective.note(f"paratrain: note: {message}")
 
     def _agree_seed(self, seed: int) -> int:
         """Rank 0's draw of a loader's permutation seed, on every process."""
@@ -430,6 +456,7 @@ class Runtime:
             if admitted:
                 scale = accumulation.loss_weight / accumulation.steps
                 self._precision_backward(loss * scale if scale != 1.0 else loss)
+                self.speed.after_backward()  # --compile: the first step checked against eager
         accumulation.micro_batch_done()  # a skipped micro-batch too: on every rank alike
 
     def _precision_backward(self, loss: torch.Tensor) -> None:
@@ -471,12 +498,14 @@ class Runtime:
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._connect()
+        self._unreduced_evaluation = False
         with self.strategy.collective.operation("rt.all_reduce"):
             self.nonfinite.agree(self.strategy.collective, "all_reduce")
             return self.strategy.collective.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._connect()
+        self._unreduced_evaluation = False
         with self.strategy.collective.operation("rt.all_gather"):
             self.nonfinite.agree(self.strategy.collective, "all_gather")
             return self.strategy.collective.all_gather(tensor)
@@ -547,7 +576,18 @@ class Runtime:
             save_model_weights(self.strategy.collective, model, path)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
+        """``print`` on the main process only. After an evaluation loop under several
+        processes with no ``rt.all_reduce`` since, it says once that the values are the main
+        process's part alone."""
+        if self._unreduced_evaluation:
+            shards = self.strategy.data_shards
+            self._tell(
+                "unreduced-print",
+                f"rt.print after an evaluation loop with no rt.all_reduce since: what it "
+                f"prints was counted by the main process alone, on about 1/{shards} of the "
+                "data. Sum per-process counts first, e.g. correct = "
+                "rt.all_reduce(torch.tensor(correct)).item() (README: Porting a script)",
+            )
         if self.is_main:
             print(*args, **kwargs)
 

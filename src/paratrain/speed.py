@@ -14,6 +14,9 @@ rounding). :class:`Speed` applies them at the points of ``rt.setup`` where they 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +24,15 @@ import torch
 from torch import nn
 
 from paratrain import memory_format
-from paratrain.compiling import check_compile, compile_model, normalize_compile, resolve_mode
+from paratrain.compile_check import CompileCheck
+from paratrain.compiling import (
+    STRICT,
+    check_compile,
+    compile_counts,
+    compile_model,
+    normalize_compile,
+    resolve_mode,
+)
 from paratrain.fused import apply_fused
 from paratrain.strategies import Strategy
 
@@ -63,6 +74,8 @@ class Speed:
         )
         self.channels_last = False
         self.fused = "no optimizer"
+        #: the compiled model's first-step gradients against eager (compile on only)
+        self.check: CompileCheck | None = None
 
     def prepare_model(self, model: nn.Module) -> None:
         """Before the strategy wraps ``model`` (already on its device)."""
@@ -72,13 +85,32 @@ class Speed:
         if self.channels_last:
             memory_format.convert_model(model)
 
-    def wrap_model(self, wrapped: nn.Module) -> nn.Module:
-        """After the strategy wrapped the model: compile it, convert inputs."""
+    def wrap_model(
+        self,
+        wrapped: nn.Module,
+        precision: str = "32",
+        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> nn.Module:
+        """After the strategy wrapped the model: compile it (checked against eager on the
+        first step, under ``precision`` and its ``autocast``), convert inputs."""
         if self.mode is not None:
             wrapped = compile_model(wrapped, self.mode)
+            self.check = CompileCheck(
+                wrapped,
+                strict=self.options.compile == STRICT,
+                precision=precision,
+                collective=self.strategy.collective,
+                autocast=autocast or contextlib.nullcontext,
+                compile_time=compile_counts,
+            )
         if self.channels_last:
             wrapped = memory_format.convert_inputs(wrapped)
         return wrapped
+
+    def after_backward(self) -> None:
+        """After each ``rt.backward``: the compile check, on the first step."""
+        if self.check is not None:
+            self.check.after_backward()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Once the optimizer's parameters (and any state) are on the device."""
@@ -91,4 +123,5 @@ class Speed:
             "compile": self.mode,
             "channels_last": self.channels_last,
             "fused_optimizer": self.fused,
+            "compile_check": None if self.check is None else self.check.describe(),
         }

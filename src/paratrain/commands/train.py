@@ -88,8 +88,10 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="auto",
         metavar="MODE",
-        help="torch.compile the model; MODE: default, reduce-overhead, max-autotune, "
-        "max-autotune-no-cudagraphs (default: reduce-overhead on one CUDA GPU, else default)",
+        help="torch.compile the model, its first step's gradients checked against eager "
+        "(a disagreement falls back to eager); MODE: default, reduce-overhead, max-autotune, "
+        "max-autotune-no-cudagraphs (default: reduce-overhead on one CUDA GPU, else default), "
+        "or strict (the default mode; a disagreement is an error)",
     )
     p.add_argument(
         "--channels-last",
