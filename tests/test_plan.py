@@ -59,9 +59,7 @@ def test_layouts_split_what_they_split() -> None:
     """--strategy cpu tracing: ddp halves activations, fsdp shards the optimizer state,
     pipeline's first stage holds more activations than its last; a tiny device fits none."""
     build, _ = _builders()["tiny-gpt width 64"]
-    plan = plan_memory(
-        lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", 1 << 30, "test"
-    )
+    plan = plan_memory(lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", 1 << 30, "test")
     by = {p.layout: p for p in plan.layouts}
     assert set(by) == {"cuda", "dp", "dp-balanced", "ddp", "fsdp", "pipeline"}
     one, ddp, fsdp, pipe = by["cuda"], by["ddp"], by["fsdp"], by["pipeline"]

@@ -96,6 +96,8 @@ class TrainConfig:
     pipeline_microbatches: int = 4
     #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
     oom: str = "auto"
+    #: each block recomputes its activations in the backward: less memory, more time
+    activation_checkpointing: bool = False
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -161,6 +163,7 @@ class TrainConfig:
                 self.pipeline_microbatches,
             ),
             oom=self.oom,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def speed_options(self) -> SpeedOptions:

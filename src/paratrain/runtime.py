@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain import faults, heartbeat
+from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
@@ -75,6 +76,8 @@ class RuntimeConfig:
     options: StrategyOptions = field(default_factory=StrategyOptions)
     #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
     oom: str = "off"
+    #: each block's activations recomputed in the backward (paratrain.activation_checkpointing)
+    activation_checkpointing: bool = False
 
     def validate(self) -> RuntimeConfig:
         normalize_precision(self.precision)
@@ -109,6 +112,7 @@ class Runtime:
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int = 4,
         oom: str = "off",
+        activation_checkpointing: bool = False,
     ) -> None:
         """``deterministic``: reproducible on GPUs (see :mod:`paratrain.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.compiling`);
@@ -120,7 +124,8 @@ class Runtime:
         ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
         :mod:`paratrain.strategies.pipeline`; ``oom="auto"``: a micro-batch that runs out of
         memory in ``rt.forward_backward`` is redone in smaller pieces, the same step (see
-        :mod:`paratrain.oom`)."""
+        :mod:`paratrain.oom`); ``activation_checkpointing``: each block recomputes its
+        activations in the backward (see :mod:`paratrain.activation_checkpointing`)."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -147,9 +152,16 @@ class Runtime:
                 pipeline_microbatches,
             ),
             oom,
+            activation_checkpointing,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
+        if activation_checkpointing and not self.strategy.allows_activation_checkpointing:
+            raise UserError(
+                "--activation-checkpointing does not work with --strategy "
+                f"{self.strategy.name}: its replicas of the model run the blocks' original "
+                "forward; use ddp or fsdp"
+            )
         self.speed = Speed(speed, self.strategy)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.seed = seed
@@ -180,6 +192,7 @@ class Runtime:
             config.options.pipeline_schedule,
             config.options.pipeline_microbatches,
             config.oom,
+            config.activation_checkpointing,
         )
 
     @property
@@ -250,6 +263,8 @@ class Runtime:
             )
         if self.config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.config.activation_checkpointing:  # before fsdp: its hooks wrap the blocks
+            apply_activation_checkpointing(model, self.config.options.fsdp_blocks)
         self.strategy.place_model(model)  # pipeline: only this process's stage, in wrap_model
         self.speed.prepare_model(model)
         wrapped = self.strategy.wrap_model(model)
@@ -471,6 +486,7 @@ class Runtime:
             "accumulate": self.accumulate_steps,
             "deterministic": self.config.deterministic,
             **self.micro_batches.describe(),
+            "activation_checkpointing": self.config.activation_checkpointing,
             "numerics": numerics_settings(),
             **self.speed.describe(),
         }
