@@ -59,9 +59,7 @@ def test_layouts_split_what_they_split() -> None:
     """--strategy cpu tracing: ddp halves activations, fsdp shards the optimizer state,
     pipeline's first stage holds more activations than its last; a tiny device fits none."""
     build, _ = _builders()["tiny-gpt width 64"]
-    plan = plan_memory(
-        lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", 1 << 30, "test"
-    )
+    plan = plan_memory(lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", 1 << 30, "test")
     by = {p.layout: p for p in plan.layouts}
     assert set(by) == {"cuda", "dp", "dp-balanced", "ddp", "fsdp", "pipeline"}
     one, ddp, fsdp, pipe = by["cuda"], by["ddp"], by["fsdp"], by["pipeline"]
@@ -78,7 +76,12 @@ def test_layouts_split_what_they_split() -> None:
 
 def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
     """`paratrain plan --accelerator cpu` (cpu, cpu,cpu): JSON with every kind of memory per
-    device; a size it cannot read is one line and exit code 2."""
+    device and the memory activation checkpointing saves; a size it cannot read is one line
+    and exit code 2."""
+    args = ["plan", "--recipe", "tiny-gpt", "--batch-size", "8", "--accelerator", "cpu", "--json"]
+    assert main([*args, "--devices", "1", "--activation-checkpointing"]) == 0
+    saved = json.loads(capsys.readouterr().out)["activation_checkpointing"]
+    assert saved["cpu"]["saved"] > 0
     assert main(["plan", "--recipe", "digits", "--accelerator", "cpu", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert [p["layout"] for p in plan["layouts"]] == ["cpu", "ddp", "fsdp", "pipeline"]

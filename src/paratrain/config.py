@@ -103,6 +103,8 @@ class TrainConfig:
     profile: int | None = None
     #: log params, metrics and the final weights to this MLflow tracking URI or folder
     mlflow: str | None = None
+    #: each block recomputes its activations in the backward: less memory, more time
+    activation_checkpointing: bool = False
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -176,6 +178,7 @@ class TrainConfig:
             ),
             threads=self.threads,
             oom=self.oom,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
     def speed_options(self) -> SpeedOptions:

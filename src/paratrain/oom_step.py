@@ -53,41 +53,44 @@ class PieceStep:
         plan = _pieces(length, self.micro_batches.split)
         total = torch.zeros((), device=device)
         index = 0
-        with heartbeat.waiting():
-            while index < len(plan):
-                start, end = plan[index]
-                last = index == len(plan) - 1
-                syncs = ends_step and (last or strategy.pieces_sync_each)
-                quiet = not syncs and ends_step  # otherwise rt.accumulate's no_sync holds
-                share = (end - start) / length
-                # an empty piece (fewer samples than pieces) still runs, weighted 0: every
-                # process runs the same forwards and collectives
-                cut_at = (start, end) if end > start else (0, 1)
-                snapshot = Snapshot.take(model, device)
-                with strategy.no_sync(model) if quiet else contextlib.nullcontext():
-                    loss, failed = self._forward(model, loss_fn, inputs, target, cut_at, step)
+        while index < len(plan):
+            start, end = plan[index]
+            last = index == len(plan) - 1
+            syncs = ends_step and (last or strategy.pieces_sync_each)
+            quiet = not syncs and ends_step  # otherwise rt.accumulate's no_sync holds
+            share = (end - start) / length
+            # an empty piece (fewer samples than pieces) still runs, weighted 0: every
+            # process runs the same forwards and collectives
+            cut_at = (start, end) if end > start else (0, 1)
+            snapshot = Snapshot.take(model, device)
+            with strategy.no_sync(model) if quiet else contextlib.nullcontext():
+                loss, failed = self._forward(model, loss_fn, inputs, target, cut_at, step)
+                with heartbeat.waiting():  # waits on the other processes: not a hang here
                     verdict = self.micro_batches.any_failed(collective, failed, device, end - start)
-                    if verdict is None and loss is not None:
-                        loss = faults.at_step(collective.rank, step, loss)
-                        if self.nonfinite.admit(loss, collective, ends_step and last):
-                            weight = accumulation.loss_weight / accumulation.steps * share
-                            communicates = collective.world_size > 1 and (
-                                syncs or strategy.collective_forward
-                            )
-                            nothing_before = first_of_step and index == 0
-                            if self._backward(model, loss * weight, communicates, nothing_before):
-                                verdict = ([collective.rank], end - start)
-                if verdict is not None:  # out of memory: every process redoes the piece
-                    loss = None
-                    snapshot.restore(device)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    self.micro_batches.halve(collective, verdict[0], verdict[1], step)
-                    plan = plan[:index] + [half for p in plan[index:] for half in _halves(p)]
-                    continue
-                assert loss is not None
-                total += loss.detach().float() * share
-                index += 1
+                if verdict is None and loss is not None:
+                    loss = faults.at_step(collective.rank, step, loss)
+                    with heartbeat.waiting():
+                        admitted = self.nonfinite.admit(loss, collective, ends_step and last)
+                        weight = accumulation.loss_weight / accumulation.steps * share
+                        communicates = collective.world_size > 1 and (
+                            syncs or strategy.collective_forward
+                        )
+                        nothing_before = first_of_step and index == 0
+                        if admitted and self._backward(
+                            model, loss * weight, communicates, nothing_before
+                        ):
+                            verdict = ([collective.rank], end - start)
+            if verdict is not None:  # out of memory: every process redoes the piece
+                loss = None
+                snapshot.restore(device)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.micro_batches.halve(collective, verdict[0], verdict[1], step)
+                plan = plan[:index] + [half for p in plan[index:] for half in _halves(p)]
+                continue
+            assert loss is not None
+            total += loss.detach().float() * share
+            index += 1
         accumulation.micro_batch_done()
         return total
 

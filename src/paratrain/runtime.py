@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain import faults, heartbeat, preemption
+from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.batching import check_batch_size_per, global_batch_size
 from paratrain.collective import ReduceOp
 from paratrain.data_paths import setup_data_path
@@ -82,6 +83,8 @@ class RuntimeConfig:
     threads: int | None = None
     #: "auto": a micro-batch that runs out of memory is redone in smaller pieces (paratrain.oom)
     oom: str = "off"
+    #: each block's activations recomputed in the backward (paratrain.activation_checkpointing)
+    activation_checkpointing: bool = False
 
     def validate(self) -> RuntimeConfig:
         if self.threads is not None and self.threads < 1:
@@ -119,6 +122,7 @@ class Runtime:
         pipeline_microbatches: int = 4,
         threads: int | None = None,
         oom: str = "off",
+        activation_checkpointing: bool = False,
     ) -> None:
         """``seed``: None (default) leaves every random generator as the script set it, and
         loaders draw their order from them as torch's DataLoader does; an int seeds Python,
@@ -135,7 +139,9 @@ class Runtime:
         :mod:`paratrain.strategies.pipeline`; ``threads``: intra-op threads of each
         process (default: chosen for the cores and the load, see :mod:`paratrain.threads`);
         ``oom="auto"``: a micro-batch that runs out of memory in ``rt.forward_backward`` is
-        redone in smaller pieces, the same step (see :mod:`paratrain.oom`)."""
+        redone in smaller pieces, the same step (see :mod:`paratrain.oom`);
+        ``activation_checkpointing``: each block recomputes its activations in the backward
+        (see :mod:`paratrain.activation_checkpointing`)."""
         if deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
         if strategy == "auto":
@@ -163,6 +169,7 @@ class Runtime:
             ),
             threads,
             oom,
+            activation_checkpointing,
         ).validate()
         self.strategy: Strategy = build_strategy(strategy, spec, self.config.options)
         #: this process's intra-op threads, and those of the processes it starts
@@ -170,6 +177,12 @@ class Runtime:
         if self.strategy.num_processes == 1 or launched():  # before torch's pools start
             apply_here(self.threads)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
+        if activation_checkpointing and not self.strategy.allows_activation_checkpointing:
+            raise UserError(
+                "--activation-checkpointing does not work with --strategy "
+                f"{self.strategy.name}: its replicas of the model run the blocks' original "
+                "forward; use ddp or fsdp"
+            )
         self.speed = Speed(speed, self.strategy)
         self.precision = Precision(self.config.precision, self.strategy.root_device)
         self.seed = seed
@@ -206,6 +219,7 @@ class Runtime:
             config.options.pipeline_microbatches,
             config.threads,
             config.oom,
+            config.activation_checkpointing,
         )
 
     @property
@@ -288,6 +302,8 @@ class Runtime:
             )
         if self.config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.config.activation_checkpointing:  # before fsdp: its hooks wrap the blocks
+            apply_activation_checkpointing(model, self.config.options.fsdp_blocks)
         self.strategy.place_model(model)  # pipeline: only this process's stage, in wrap_model
         self.speed.prepare_model(model)
         wrapped = self.strategy.wrap_model(model)
@@ -603,6 +619,7 @@ class Runtime:
             "accumulate": self.accumulate_steps,
             "deterministic": self.config.deterministic,
             **self.micro_batches.describe(),
+            "activation_checkpointing": self.config.activation_checkpointing,
             "numerics": numerics_settings(),
             "threads": self.threads.describe(),
             **self.speed.describe(),

@@ -38,6 +38,11 @@ def register(subparsers: Any) -> None:
         help="memory of each device, e.g. 80GiB (default: the GPUs here, else the host's)",
     )
     p.add_argument("--accelerator", choices=("cuda", "cpu"), help="default: cuda if present")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="also plan with each block recomputing its activations: the memory it saves",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--chart", metavar="FILE.png", help="also draw the plan (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0)
@@ -55,7 +60,7 @@ def parse_size(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from paratrain.plan import plan_memory, trace_step
     from paratrain.plan.chart import MISSING_MATPLOTLIB, write_plan_chart
-    from paratrain.plan.report import print_plan
+    from paratrain.plan.report import gib, print_plan
     from paratrain.precision import normalize_precision
 
     source = source_from_args(args)
@@ -69,20 +74,40 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch_size if args.batch_size is not None else default_batch
     if batch < 1:
         raise UserError(f"--batch-size must be at least 1, got {batch}")
-    plan = plan_memory(
-        lambda b: trace_step(build, b, precision=precision),
-        source.name,
-        batch,
-        precision,
-        devices,
-        accelerator,
-        memory,
-        where,
-    )
+    plans = {}
+    for checkpointed in (False, True) if args.activation_checkpointing else (False,):
+        wrap = _checkpointing if checkpointed else None
+        plans[checkpointed] = plan_memory(
+            lambda b, wrap=wrap: trace_step(build, b, precision=precision, wrap=wrap),
+            source.name,
+            batch,
+            precision,
+            devices,
+            accelerator,
+            memory,
+            where,
+        )
+    plan = plans[False]
+    saved = {}
+    if True in plans:
+        for without, with_ in zip(plan.layouts, plans[True].layouts, strict=True):
+            saved[without.layout] = {
+                "peak": with_.peak,
+                "saved": without.peak - with_.peak,
+                "largest_batch": with_.largest_batch,
+            }
     if args.json:
-        print(json.dumps(plan.as_dict(), indent=2))
+        payload = plan.as_dict()
+        if saved:
+            payload["activation_checkpointing"] = saved
+        print(json.dumps(payload, indent=2))
     else:
         print_plan(plan)
+        for layout, figures in saved.items():
+            print(
+                f"{layout}: with --activation-checkpointing the peak is {gib(figures['peak'])}"
+                f" ({gib(figures['saved'])} less), largest batch {figures['largest_batch']}"
+            )
     if args.chart and not write_plan_chart(plan, Path(args.chart)):
         print(MISSING_MATPLOTLIB)
     return 0
@@ -135,6 +160,13 @@ def recipe_builder(
         return model, recipe.build_loss(), lambda p: recipe.build_optimizer(p, cfg), sample
 
     return build, recipe.batch_size
+
+
+def _checkpointing(model: nn.Module) -> nn.Module:
+    from paratrain.activation_checkpointing import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model)
+    return model
 
 
 def _sgd(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:

@@ -116,6 +116,13 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline: the schedule of the micro-batches (default 1f1b)",
     )
     p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="each block (fsdp's and pipeline's) recomputes its activations in the backward: "
+        "less memory, one more forward per step; the same weights",
+    )
+    p.add_argument(
         "--oom",
         choices=("auto", "off"),
         help="auto (default): a micro-batch that runs out of memory is redone in halves, the "

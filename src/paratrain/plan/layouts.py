@@ -41,7 +41,7 @@ def layouts(devices: int, accelerator: str) -> list[Layout]:
     if devices < 2:
         return [single]
     part = _part(devices)
-    names = ("dp", "dp-balanced") if accelerator == "cuda" else ()
+    names: tuple[str, ...] = ("dp", "dp-balanced") if accelerator == "cuda" else ()
     names += ("ddp", "fsdp", "pipeline")
     return [single] + [Layout(name, devices, part) for name in names]
 

@@ -26,9 +26,7 @@ Sampler = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 #: ``(model, loss_fn, optimizer factory, sampler)``
 Builder = Callable[
     [],
-    tuple[
-        nn.Module, Callable[..., torch.Tensor], Callable[[Iterator[nn.Parameter]], Any], Sampler
-    ],
+    tuple[nn.Module, Callable[..., torch.Tensor], Callable[[Iterator[nn.Parameter]], Any], Sampler],
 ]
 
 

@@ -55,6 +55,9 @@ class Strategy(ABC):
     #: ``--oom auto``'s pieces of a micro-batch each synchronize their gradients (fsdp:
     #: without, each process would hold the whole model's unsharded gradients)
     pieces_sync_each: ClassVar[bool] = False
+    #: blocks may recompute their activations in the backward (not where replicas of the
+    #: model run the original module's forward: DataParallel)
+    allows_activation_checkpointing: ClassVar[bool] = True
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices

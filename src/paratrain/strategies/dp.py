@@ -112,6 +112,7 @@ class MeteredDataParallel(nn.DataParallel[nn.Module]):
 @register
 class DataParallelStrategy(Strategy):
     name = "dp"
+    allows_activation_checkpointing = False
     description = (
         "one process, torch.nn.DataParallel over CUDA GPUs (outputs and loss on the first)"
     )

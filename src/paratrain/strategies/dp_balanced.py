@@ -182,6 +182,7 @@ class BalancedCriterion(nn.Module):
 @register
 class BalancedDataParallelStrategy(Strategy):
     name = "dp-balanced"
+    allows_activation_checkpointing = False
     description = "one process, several GPUs (or cpu,cpu); loss per device, only losses gathered"
     needs_loss_fn = True
 
