@@ -45,7 +45,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "optim": (
         ["src/paratrain/optim.py"],
-        ["tests/test_precision.py", "tests/test_accumulate.py", "tests/test_runtime.py"],
+        [
+            "tests/test_precision.py",
+            "tests/test_optim_wrapper.py",
+            "tests/test_accumulate.py",
+            "tests/test_runtime.py",
+        ],
     ),
     "batching": (["src/paratrain/batching.py"], ["tests/test_batch_size_per.py"]),
     "keys": (

@@ -1,0 +1,57 @@
+"""The optimizer ``rt.setup`` returns under fp16 or accumulation (``RuntimeOptimizer``):
+it steps through the GradScaler, fused kernels included, and clears gradients as asked.
+
+In-process, ``--strategy cpu``; the GradScaler is torch's CPU one, the class fp16 on CUDA
+uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.optim import Accumulation, RuntimeOptimizer
+from paratrain.precision import Precision
+
+CPU = torch.device("cpu")
+
+
+def _steps(fused: bool, scaled: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    precision = Precision("fp16", CPU)
+    if scaled:
+        precision.scaler = torch.amp.GradScaler("cpu")
+    optimizer = RuntimeOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1, fused=fused), precision, Accumulation()
+    )
+    for _ in range(3):
+        optimizer.zero_grad()
+        precision.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+    return model
+
+
+def test_a_fused_step_gets_the_scale_from_the_grad_scaler() -> None:
+    """A fused Adam unscales in its kernel: GradScaler hands it ``grad_scale`` and
+    ``found_inf`` through the wrapper; the model is the unscaled, unfused one's."""
+    reference = _steps(fused=False, scaled=False)
+    for fused in (False, True):
+        model = _steps(fused=fused, scaled=True)
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_grad_keeps_or_drops_the_gradient_tensors_as_asked() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = RuntimeOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), Accumulation()
+    )
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.zero_grad(set_to_none=False)
+    assert model.weight.grad is not None and not model.weight.grad.any()
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert model.weight.grad is None
