@@ -59,20 +59,36 @@ def guard_of(script: Script, node: ast.AST) -> ast.expr | None:
             return parent.test
         if isinstance(parent, ast.BoolOp) and mentions_rank(parent):
             return parent  # `is_main and print(...)`
-        body = getattr(parent, "body", None)
-        if isinstance(body, list) and child in body:
+        if child in script.blocks:
             # an earlier `if rank != 0: return` in the same block
-            for earlier in body[: body.index(child)]:
-                if (
-                    isinstance(earlier, ast.If)
-                    and mentions_rank(earlier.test)
-                    and (_exits(earlier.body) or _exits(earlier.orelse))
-                ):
-                    return earlier.test
+            block, index = script.blocks[child]
+            exit_at = _first_rank_exit(script, block)
+            if exit_at is not None and exit_at < index:
+                exit_if = block[exit_at]
+                assert isinstance(exit_if, ast.If)
+                return exit_if.test
         if isinstance(parent, FUNCTIONS):
             break
         child = parent
     return None
+
+
+def _first_rank_exit(script: Script, block: list[ast.stmt]) -> int | None:
+    """Index of the first ``if <rank test>: return`` of ``block`` (computed once per block)."""
+    key = f"rank_exit:{id(block)}"
+    if key not in script.memo:
+        script.memo[key] = next(
+            (
+                i
+                for i, s in enumerate(block)
+                if isinstance(s, ast.If)
+                and mentions_rank(s.test)
+                and (_exits(s.body) or _exits(s.orelse))
+            ),
+            None,
+        )
+    found: int | None = script.memo[key]
+    return found
 
 
 def lexically_guarded(script: Script, node: ast.AST) -> bool:
@@ -129,29 +145,19 @@ class EveryRank:
         blocks: set[int] = set()
         for call in calls:
             statement = self.script.statement(call)
-            parent = self.script.parents.get(statement)
-            for name in ("body", "orelse", "finalbody"):
-                block = getattr(parent, name, None)
-                if isinstance(block, list) and any(s is statement for s in block):
-                    blocks.add(id(block))
+            if statement in self.script.blocks:
+                blocks.add(id(self.script.blocks[statement][0]))
         return blocks
 
     def in_launcher(self, node: ast.AST) -> bool:
         if not self._launcher_blocks:
             return False
-        child = node
-        for parent in self.script.ancestors(node):
-            for name in ("body", "orelse", "finalbody"):
-                block = getattr(parent, name, None)
-                if (
-                    isinstance(block, list)
-                    and id(block) in self._launcher_blocks
-                    and any(s is child for s in block)
-                ):
-                    return True
-            if isinstance(parent, FUNCTIONS):
-                break
-            child = parent
+        blocks = self.script.blocks
+        for candidate in (node, *self.script.ancestors(node)):
+            if isinstance(candidate, (*FUNCTIONS, ast.ClassDef)):
+                break  # a function defined in the launcher's block runs where it is called
+            if candidate in blocks and id(blocks[candidate][0]) in self._launcher_blocks:
+                return True
         return False
 
     def _calls(self) -> dict[ast.AST, list[tuple[ast.AST, list[Function]]]]:

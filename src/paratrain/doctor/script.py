@@ -37,6 +37,11 @@ class Script:
     parents: dict[ast.AST, ast.AST] = field(default_factory=dict)
     scopes: dict[ast.AST, Scope] = field(default_factory=dict)
     by_type: dict[type, list[ast.AST]] = field(default_factory=lambda: defaultdict(list))
+    #: statement -> (the list of statements that holds it, its index there)
+    blocks: dict[ast.AST, tuple[list[ast.stmt], int]] = field(default_factory=dict)
+    _names: dict[ast.AST, str | None] = field(default_factory=dict)
+    #: every node, in the order of the walk (pre-order: statements in source order)
+    order: list[ast.AST] = field(default_factory=list)
     #: what rules compute once per script and share (rule family -> its results)
     memo: dict[str, Any] = field(default_factory=dict)
 
@@ -86,25 +91,34 @@ class Script:
     def _index(self) -> None:
         """One walk: parent, scope and type of every node."""
         by_type, parents, scopes = self.by_type, self.parents, self.scopes
+        blocks, order = self.blocks, self.order
         stack: list[tuple[ast.AST, Scope]] = [(self.tree, self.tree)]
+        found: list[tuple[ast.AST, Scope]] = []
         while stack:
             node, scope = stack.pop()
             by_type[type(node)].append(node)
+            order.append(node)
             inner = node if isinstance(node, FUNCTIONS) else scope
             for name in node._fields:
                 value = getattr(node, name, None)
                 children = value if isinstance(value, list) else (value,)
+                if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+                    for index, statement in enumerate(value):
+                        blocks[statement] = (value, index)
                 for child in children:
                     if isinstance(child, ast.AST) and not isinstance(child, _SKIPPED):
                         parents[child] = node
                         scopes[child] = inner
-                        stack.append((child, inner))
-        for nodes in by_type.values():  # source order, which findings and rules expect
-            nodes.sort(key=_position)
+                        found.append((child, inner))
+            # pushed in reverse, popped in field order: statements come out in source order
+            stack.extend(reversed(found))
+            found.clear()
 
     # -- names -------------------------------------------------------------------------------
     def full_name(self, node: ast.AST) -> str | None:
-        return resolve(node, self.imports)
+        if node not in self._names:
+            self._names[node] = resolve(node, self.imports)
+        return self._names[node]
 
     def nodes(self, kind: type[N]) -> list[N]:
         """Every node of type ``kind``, in source order."""
@@ -220,22 +234,26 @@ class Script:
         or inside it: whenever that block goes on to ``later``, ``earlier`` has run (not a
         sibling branch of an ``if``)."""
         statement = self.statement(earlier)
-        parent = self.parents.get(statement)
-        chain = {id(later), *map(id, self.ancestors(later))}
-        for name in ("body", "orelse", "finalbody"):
-            block = getattr(parent, name, None)
-            if isinstance(block, list) and any(s is statement for s in block):
-                after = block[block.index(statement) :]
-                return any(id(s) in chain for s in after)
+        if statement not in self.blocks:
+            return False
+        block, index = self.blocks[statement]
+        for node in (later, *self.ancestors(later)):
+            if node in self.blocks and self.blocks[node][0] is block:
+                return self.blocks[node][1] >= index
         return False
+
+    def in_block(self, node: ast.AST, block: list[ast.stmt]) -> ast.stmt | None:
+        """The statement of ``block`` that holds ``node`` (or is it), if any."""
+        for candidate in (node, *self.ancestors(node)):
+            if candidate in self.blocks and self.blocks[candidate][0] is block:
+                return self.blocks[candidate][0][self.blocks[candidate][1]]
+        return None
 
     @cached_property
     def _own(self) -> dict[ast.AST, list[ast.AST]]:
         found: dict[ast.AST, list[ast.AST]] = defaultdict(list)
-        for node, scope in self.scopes.items():
-            found[scope].append(node)
-        for nodes in found.values():
-            nodes.sort(key=_position)
+        for node in self.order:  # the walk's order: statements in source order
+            found[self.scopes.get(node, self.tree)].append(node)
         return found
 
     @cached_property

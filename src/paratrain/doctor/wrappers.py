@@ -133,21 +133,11 @@ class Wrappers:
 def _overwritten(script: Script, earlier: ast.stmt, laters: list[ast.stmt]) -> bool:
     """One of ``laters`` runs after ``earlier`` whenever ``earlier`` ran: it comes after it
     in the same block or in a block around it (branches aside, a plain sequence)."""
-    if not laters:
-        return False
-    chain = {id(earlier), *map(id, script.ancestors(earlier))}
     for later in laters:
-        if later.lineno <= earlier.lineno:
+        if later.lineno <= earlier.lineno or later not in script.blocks:
             continue
-        parent = script.parents.get(later)
-        for field in ("body", "orelse", "finalbody"):
-            block = getattr(parent, field, None)
-            if (
-                isinstance(block, list)
-                and any(s is later for s in block)
-                and any(id(s) in chain for s in block)
-            ):
-                return True
+        if script.in_block(earlier, script.blocks[later][0]) is not None:
+            return True
     return False
 
 
