@@ -18,14 +18,14 @@ from paratrain.cli import main
 from paratrain.doctor import RULES, diagnose, diagnose_source
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
-EXPECT = re.compile(r"#\s*expect:\s*(.+)$")
+EXPECT = re.compile(r"#\s*expect:\s*([^#]+)")
 
 
 def expected(source: str) -> list[tuple[int, str]]:
     found = []
     for number, line in enumerate(source.splitlines(), start=1):
         if match := EXPECT.search(line):
-            found += [(number, rule.strip()) for rule in match.group(1).split(",")]
+            found += [(number, rule.strip()) for rule in match.group(1).strip().split(",")]
     return sorted(found)
 
 
@@ -338,6 +338,8 @@ CASES: list[tuple[str, str, list[str]]] = [
         "loader-workers",
         """
         from torch.utils.data import DataLoader
+        from torchvision import datasets
+        images = datasets.ImageFolder("train")
         loader = DataLoader(images, batch_size=64, pin_memory=True)  # expect: loader-workers
         for x in loader:
             x = x.cuda(non_blocking=True)
@@ -352,6 +354,232 @@ CASES: list[tuple[str, str, list[str]]] = [
             """
             from torch.utils.data import DataLoader
             loader = DataLoader(images, batch_size=64)
+            """,
+        ],
+    ),
+    (
+        "collective-under-guard",
+        """
+        import torch
+        import torch.distributed as dist
+        import paratrain
+        dist.init_process_group("gloo")
+        rt = paratrain.Runtime(strategy="ddp")
+        total = torch.zeros(1)
+        if dist.get_rank() == 0:
+            dist.all_reduce(total)  # expect: collective-under-guard
+        if rt.is_main:
+            rt.save("last.pt", {"step": 1})  # expect: collective-under-guard
+        def report(value):
+            dist.barrier()
+        def finish():
+            if dist.get_rank() != 0:
+                return
+            report(total)  # expect: collective-under-guard
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            import paratrain
+            dist.init_process_group("gloo")
+            rt = paratrain.Runtime(strategy="ddp")
+            total = torch.zeros(1)
+            dist.all_reduce(total)
+            rt.save("last.pt", {"step": 1})
+            if dist.get_rank() == 0:
+                print(total)
+            if not distributed or dist.get_rank() == 0:
+                dist.barrier()
+            if args.local_rank == -1:
+                dist.barrier()
+            """,
+        ],
+    ),
+    (
+        "metric-without-reduce",
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler
+        dist.init_process_group("gloo")
+        sampler = DistributedSampler(test_set, shuffle=False, drop_last=True)
+        test_loader = DataLoader(test_set, sampler=sampler)
+        def evaluate(model):
+            correct, total = 0, 0
+            with torch.no_grad():
+                for x, y in test_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += len(y)
+            accuracy = correct / total
+            print(f"accuracy {accuracy:.3f}")  # expect: metric-without-reduce
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+            dist.init_process_group("gloo")
+            sampler = DistributedSampler(test_set, shuffle=False, drop_last=True)
+            test_loader = DataLoader(test_set, sampler=sampler)
+            def evaluate(model):
+                correct = torch.zeros(1)
+                with torch.no_grad():
+                    for x, y in test_loader:
+                        correct += (model(x).argmax(1) == y).sum()
+                dist.all_reduce(correct)
+                print(f"correct {correct.item()}")
+            def train(model):
+                total = 0.0
+                for x, y in test_loader:
+                    loss = model(x).sum()
+                    loss.backward()
+                    total += loss.item()
+                print(total)
+            """,
+            """
+            import paratrain
+            rt = paratrain.Runtime(strategy="ddp")
+            loader = rt.setup_loader(test_loader, evaluation=True)
+            correct = 0
+            for x, y in loader:
+                correct += (model(x).argmax(1) == y).sum()
+            rt.print(rt.all_reduce(correct))
+            """,
+        ],
+    ),
+    (
+        "rank-guard-flag",
+        """
+        import torch
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        def save_checkpoint(state, filename="checkpoint.pt"):
+            torch.save(state, filename)
+        def worker(gpu, args):
+            dist.init_process_group("nccl", rank=args.rank)
+            if not args.multiprocessing_distributed or args.rank % 8 == 0:
+                save_checkpoint({"epoch": 1})  # expect: rank-guard-flag
+        if __name__ == "__main__":
+            if args.multiprocessing_distributed:
+                mp.spawn(worker, nprocs=8, args=(args,))
+            else:
+                worker(args.gpu, args)
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            def worker(gpu, args):
+                dist.init_process_group("nccl", rank=args.rank)
+                if not args.distributed or dist.get_rank() == 0:
+                    torch.save({"epoch": 1}, "checkpoint.pt")
+            if __name__ == "__main__":
+                if args.multiprocessing_distributed:
+                    mp.spawn(worker, nprocs=8, args=(args,))
+                else:
+                    worker(args.gpu, args)
+            """,
+        ],
+    ),
+    (
+        "compiled-state-dict",
+        """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = GPT(config)
+        if compile:
+            model = torch.compile(model)
+        if ddp:
+            model = DDP(model, device_ids=[0])
+        raw_model = model.module if ddp else model
+        checkpoint = {"model": raw_model.state_dict(), "iter": 1}
+        if master_process:
+            torch.save(checkpoint, "ckpt.pt")  # expect: compiled-state-dict
+        """,
+        [
+            """
+            import torch
+            model = GPT(config)
+            compiled = torch.compile(model)
+            torch.save(model.state_dict(), "ckpt.pt")
+            torch.save(compiled._orig_mod.state_dict(), "ckpt.pt")
+            model.compile()
+            torch.save(model.state_dict(), "ckpt.pt")
+            """,
+        ],
+    ),
+    (
+        "clip-before-unscale",
+        """
+        import torch
+        scaler = torch.cuda.amp.GradScaler()
+        for x, y in loader:
+            scaler.scale(model(x).sum()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # expect: clip-before-unscale
+            scaler.step(optimizer)
+            scaler.update()
+        """,
+        [
+            """
+            import torch
+            scaler = torch.amp.GradScaler("cuda")
+            for x, y in loader:
+                if use_amp:
+                    scaler.scale(model(x).sum()).backward()
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(optimizer)
+                else:
+                    model(x).sum().backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+            """,
+        ],
+    ),
+    (
+        "local-rank-as-rank",
+        """
+        import os
+        import torch.distributed as dist
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dist.init_process_group("nccl", rank=local_rank)  # expect: local-rank-as-rank
+        dist.init_process_group("nccl", rank=args.local_rank)  # expect: local-rank-as-rank
+        """,
+        [
+            """
+            import os
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            def main(local_rank, world_size):
+                dist.init_process_group("nccl", rank=local_rank, world_size=world_size)
+            dist.init_process_group("nccl", rank=int(os.environ["RANK"]), world_size=8)
+            if __name__ == "__main__":
+                mp.spawn(main, nprocs=2, args=(2,))
+            """,
+        ],
+    ),
+    (
+        "eval-padded-loader",
+        """
+        import lightning as L
+        fabric = L.Fabric(devices=2)
+        train, test_loader = fabric.setup_dataloaders(a, test_loader)  # expect: eval-padded-loader
+        """,
+        [
+            """
+            import lightning as L
+            fabric = L.Fabric(devices=2)
+            train_loader = fabric.setup_dataloaders(train_loader)
+            test_loader = fabric.setup_dataloaders(test_loader, use_distributed_sampler=False)
+            """,
+            """
+            from accelerate import Accelerator
+            accelerator = Accelerator()
+            model, eval_dataloader = accelerator.prepare(model, eval_dataloader)
+            for batch in eval_dataloader:
+                predictions = accelerator.gather_for_metrics(model(batch))
             """,
         ],
     ),
@@ -373,6 +601,105 @@ CASES: list[tuple[str, str, list[str]]] = [
         ],
     ),
 ]
+
+
+# Shapes real scripts are written in (the corpus in doctor_scripts/real/): each must give
+# exactly its `# expect:` findings, and none where there is no `# expect:`.
+SHAPES: dict[str, str] = {
+    "save through a helper, wrapped in branches and a call chain (imagenet)": """
+        import torch
+        def save_checkpoint(state, is_best, filename="checkpoint.pth.tar"):
+            torch.save(state, filename)
+        def build(args):
+            model = make_model()
+            if args.distributed:
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            elif args.gpu is not None:
+                model = model.cuda(args.gpu)
+            else:
+                model = torch.nn.DataParallel(model).cuda()
+            state = {"state_dict": model.state_dict(), "epoch": 1}
+            save_checkpoint(state, True)  # expect: wrapped-state-dict
+        """,
+    "wrapped in __init__, saved in another method (DDP tutorial's Trainer)": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class Trainer:
+            def __init__(self, model, gpu_id):
+                self.model = DDP(model.to(gpu_id), device_ids=[gpu_id])
+                self.gpu_id = gpu_id
+            def save(self):
+                if self.gpu_id == 0:
+                    torch.save(self.model.state_dict(), "ckpt.pt")  # expect: wrapped-state-dict
+            def save_plain(self):
+                if self.gpu_id == 0:
+                    torch.save(self.model.module.state_dict(), "checkpoint.pt")
+                    raw = self.model.module if hasattr(self.model, "module") else self.model
+                    torch.save({"model": raw.state_dict()}, "snapshot.pt")
+        """,
+    "DataParallel of a submodule, then the whole model moved (imagenet's alexnet/vgg)": """
+        import torch
+        model = make_model()
+        model.features = torch.nn.DataParallel(model.features)
+        model.cuda()
+        """,
+    "evaluation sampler with drop_last=True, the tail evaluated apart (imagenet)": """
+        import torch
+        from torch.utils.data import DataLoader, DistributedSampler
+        val_sampler = DistributedSampler(val_dataset, shuffle=False, drop_last=True)
+        val_loader = DataLoader(val_dataset, sampler=val_sampler, num_workers=4, pin_memory=True)
+        """,
+    "print in the launcher, before horovod.run starts the workers (Horovod's mnist)": """
+        import horovod
+        import horovod.torch as hvd
+        def main(args):
+            hvd.init()
+            print("training")  # expect: unguarded-output
+        if __name__ == "__main__":
+            if args.num_proc:
+                print("Running training through horovod.run")
+                horovod.run(main, args=(args,), np=args.num_proc)
+            else:
+                main(args)
+        """,
+    "Trainer methods print on every rank and sync every step (minGPT's trainer)": """
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class Trainer:
+            def __init__(self, model, local_rank):
+                self.local_rank = local_rank
+                self.model = DDP(model.to(local_rank), device_ids=[local_rank])
+                self._load_snapshot()
+            def _load_snapshot(self):
+                print("Snapshot not found. Training model from scratch")  # expect: unguarded-output
+            def _run_batch(self, source, targets):
+                loss = self.model(source, targets)
+                loss.backward()
+                return loss.item()  # expect: sync-every-step
+            def _run_epoch(self, loader):
+                for source, targets in loader:
+                    source = source.to(self.local_rank)
+                    batch_loss = self._run_batch(source, targets)
+            def train(self, loader):
+                for epoch in range(10):
+                    self._run_epoch(loader)
+                    if self.local_rank == 0:
+                        print("epoch done")
+        def main():
+            dist.init_process_group("nccl")
+            trainer = Trainer(make_model(), int(os.environ["LOCAL_RANK"]))
+            trainer.train(make_loader())
+        if __name__ == "__main__":
+            main()
+        """,
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_real_script_shapes(shape: str) -> None:
+    source = textwrap.dedent(SHAPES[shape])
+    assert found(source) == expected(source)
 
 
 def test_every_rule_has_a_case() -> None:

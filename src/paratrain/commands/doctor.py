@@ -11,6 +11,8 @@ import json
 from typing import Any
 
 from paratrain.doctor import RULES, Diagnosis, diagnose
+from paratrain.doctor.explain import explain
+from paratrain.errors import UserError
 
 
 def register(subparsers: Any) -> None:
@@ -19,11 +21,15 @@ def register(subparsers: Any) -> None:
         "doctor",
         help="find the classic mistakes of a training script (reads it, never runs it)",
         description="Read training scripts with ast (they never run) and report each classic "
-        f"mistake with file:line, what is wrong and the fix. Rules: {rules}. Exit code: 0 "
-        "clean, 1 findings, 2 a file that is not a readable Python script.",
+        f"mistake with file:line, what is wrong and the fix. Rules: {rules} (--explain RULE "
+        "for one). Exit code: 0 clean, 1 findings, 2 a file that is not a readable Python "
+        "script.",
     )
-    parser.add_argument("scripts", nargs="+", metavar="SCRIPT.py", help="the scripts to read")
+    parser.add_argument("scripts", nargs="*", metavar="SCRIPT.py", help="the scripts to read")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--explain", metavar="RULE", help="print a rule's rationale, an example and the fix"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -39,6 +45,11 @@ def _text(diagnosis: Diagnosis) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        print(explain(args.explain))
+        return 0
+    if not args.scripts:
+        raise UserError("name the scripts to read (paratrain doctor train.py), or --explain RULE")
     diagnoses = [diagnose(path) for path in args.scripts]  # a bad file stops before any output
     total = sum(len(d.findings) for d in diagnoses)
     if args.json:

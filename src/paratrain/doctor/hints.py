@@ -6,7 +6,7 @@ import ast
 import re
 
 from paratrain.doctor.names import ACCELERATOR, FABRIC, RUNTIME
-from paratrain.doctor.script import Script, identifiers, keyword
+from paratrain.doctor.script import Script, keyword
 
 _DEVICE_WORDS = re.compile(r"device|gpu|cuda|rank|mps", re.IGNORECASE)
 
@@ -39,22 +39,23 @@ def moves_to_device(script: Script, call: ast.Call) -> bool:
 
 def uses_cuda(script: Script) -> bool:
     """The script names CUDA itself: ``.cuda()``, ``torch.cuda``, "cuda", nccl."""
-    for node in ast.walk(script.tree):
-        text = node.value if isinstance(node, ast.Constant) else None
+    for node in script.nodes(ast.Constant):
+        text = node.value
         if isinstance(text, str) and (text.startswith("cuda") or text == "nccl"):
             return True
-        if isinstance(node, ast.Attribute) and node.attr == "cuda":
-            return True
-    return False
+    return any(node.attr == "cuda" for node in script.nodes(ast.Attribute))
 
 
 def uses_accelerator(script: Script) -> bool:
     """The script runs on a GPU when there is one: it names CUDA or MPS, or a library that
     picks the device (Accelerate, Fabric, Horovod, paratrain)."""
-    if uses_cuda(script) or "mps" in identifiers(script.tree):
+    if uses_cuda(script):
         return True
-    for node in ast.walk(script.tree):
-        if isinstance(node, ast.Constant) and str(node.value).startswith("mps"):
-            return True
+    if any(n.id == "mps" for n in script.nodes(ast.Name)) or any(
+        n.attr == "mps" for n in script.nodes(ast.Attribute)
+    ):
+        return True
+    if any(str(n.value).startswith("mps") for n in script.nodes(ast.Constant)):
+        return True
     picks_device = (ACCELERATOR, FABRIC, RUNTIME)
     return any(True for _ in script.calls(*picks_device)) or script.uses("horovod")

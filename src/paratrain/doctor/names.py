@@ -10,6 +10,7 @@ so no alias fools them, and a local function that happens to be called ``spawn``
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 
 #: full names that PyTorch exports under several paths, mapped to one spelling
 _CANONICAL = {
@@ -44,10 +45,10 @@ FABRIC = "lightning_fabric.Fabric"
 RUNTIME = "paratrain.Runtime"
 
 
-def import_table(tree: ast.Module) -> dict[str, str]:
+def import_table(imports: Iterable[ast.Import | ast.ImportFrom]) -> dict[str, str]:
     """Local name -> the full name it was imported as (every import, at any depth)."""
     table: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in imports:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.asname:

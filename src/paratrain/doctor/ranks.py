@@ -5,18 +5,34 @@ A guard is an ``if`` whose test speaks of the rank or the main process (``rank =
 ``fabric.global_rank == 0``, ``hvd.rank() == 0``, ``rt.is_main``...), or an earlier
 ``if <such a test>: return``. The words are matched generously: a guard taken for one
 never produces a finding, a guard missed would produce a false one.
+
+Code reached from code that runs on every process runs there too: functions called (or
+passed along), methods called on ``self`` or on an instance of a class of the file, a class's
+``__init__`` when it is built. The block that calls a launcher (``mp.spawn(main)``,
+``horovod.run(main)``, ``rt.launch(main)``) runs in the launching process alone.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections import defaultdict
 
-from paratrain.doctor.names import SPAWN
-from paratrain.doctor.script import FUNCTIONS, Script, identifiers
+from paratrain.doctor.names import (
+    ACCELERATOR,
+    DDP,
+    FABRIC,
+    INIT_PROCESS_GROUP,
+    RUNTIME,
+    SPAWN,
+    dotted,
+)
+from paratrain.doctor.script import FUNCTIONS, Function, Script, identifiers
 
-_RANK_WORDS = re.compile(r"rank|master|main|zero|primary|leader|chief", re.IGNORECASE)
+_RANK_WORDS = re.compile(r"rank|master|main|zero|primary|leader|chief|gpu", re.IGNORECASE)
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
+#: launchers that start a function in new processes, besides mp.spawn and rt.launch
+_RUNNERS = ("horovod.run", "horovod.torch.run")
 
 
 def mentions_rank(node: ast.AST) -> bool:
@@ -26,12 +42,13 @@ def mentions_rank(node: ast.AST) -> bool:
 def _exits(statements: list[ast.stmt]) -> bool:
     last = statements[-1] if statements else None
     if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):
-        return (ast.unparse(last.value.func)).endswith("exit")
+        name = dotted(last.value.func) or ""
+        return name.endswith("exit")
     return isinstance(last, _EXITS)
 
 
-def lexically_guarded(script: Script, node: ast.AST) -> bool:
-    """Whether ``node`` sits under a rank test within its own function."""
+def guard_of(script: Script, node: ast.AST) -> ast.expr | None:
+    """The rank test ``node`` sits under within its own function, or None."""
     child = node
     for parent in script.ancestors(node):
         if (
@@ -39,47 +56,74 @@ def lexically_guarded(script: Script, node: ast.AST) -> bool:
             and child is not parent.test
             and mentions_rank(parent.test)
         ):
-            return True
+            return parent.test
         if isinstance(parent, ast.BoolOp) and mentions_rank(parent):
-            return True  # `is_main and print(...)`
-        body = getattr(parent, "body", None)
-        if isinstance(body, list) and child in body:
+            return parent  # `is_main and print(...)`
+        if child in script.blocks:
             # an earlier `if rank != 0: return` in the same block
-            for earlier in body[: body.index(child)]:
-                if (
-                    isinstance(earlier, ast.If)
-                    and mentions_rank(earlier.test)
-                    and (_exits(earlier.body) or _exits(earlier.orelse))
-                ):
-                    return True
+            block, index = script.blocks[child]
+            exit_at = _first_rank_exit(script, block)
+            if exit_at is not None and exit_at < index:
+                exit_if = block[exit_at]
+                assert isinstance(exit_if, ast.If)
+                return exit_if.test
         if isinstance(parent, FUNCTIONS):
             break
         child = parent
-    return False
+    return None
+
+
+def _first_rank_exit(script: Script, block: list[ast.stmt]) -> int | None:
+    """Index of the first ``if <rank test>: return`` of ``block`` (computed once per block)."""
+    key = f"rank_exit:{id(block)}"
+    if key not in script.memo:
+        script.memo[key] = next(
+            (
+                i
+                for i, s in enumerate(block)
+                if isinstance(s, ast.If)
+                and mentions_rank(s.test)
+                and (_exits(s.body) or _exits(s.orelse))
+            ),
+            None,
+        )
+    found: int | None = script.memo[key]
+    return found
+
+
+def lexically_guarded(script: Script, node: ast.AST) -> bool:
+    """Whether ``node`` sits under a rank test within its own function."""
+    return guard_of(script, node) is not None
+
+
+def launcher_calls(script: Script) -> list[ast.Call]:
+    """``mp.spawn(fn)``, ``horovod.run(fn)``, ``rt.launch(fn)`` of a paratrain Runtime."""
+    runtimes = script.instances(RUNTIME)
+    calls = [*script.calls(*SPAWN), *script.calls(*_RUNNERS)]
+    calls += [
+        c
+        for c in script.method_calls("launch")
+        if isinstance(c.func, ast.Attribute) and dotted(c.func.value) in runtimes
+    ]
+    return calls
 
 
 def spawn_targets(script: Script) -> set[str] | None:
     """The functions a launcher starts in every process (``mp.spawn(main, ...)``,
     ``rt.launch(train)``); None when the script spawns nothing (it is started once per
     process, by torchrun, accelerate launch, horovodrun...)."""
-    calls = list(script.calls(*SPAWN))
-    calls += [c for c in script.method_calls("launch") if _is_runtime(script, c.func)]
+    calls = launcher_calls(script)
     if not calls:
         return None
     return {c.args[0].id for c in calls if c.args and isinstance(c.args[0], ast.Name)}
 
 
-def _is_runtime(script: Script, func: ast.expr) -> bool:
-    """``rt.launch``: ``rt`` was assigned from ``paratrain.Runtime(...)``."""
-    if not isinstance(func, ast.Attribute) or not isinstance(func.value, ast.Name):
-        return False
-    owner = func.value.id
-    for node in ast.walk(script.tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            named = any(isinstance(t, ast.Name) and t.id == owner for t in node.targets)
-            if named and script.full_name(node.value.func) == "paratrain.Runtime":
-                return True
-    return False
+def multi_process(script: Script) -> bool:
+    """The script runs as several processes: it launches them, or is one of them."""
+    if spawn_targets(script) is not None or script.uses("horovod"):
+        return True
+    started = (INIT_PROCESS_GROUP, DDP, *SPAWN, ACCELERATOR, FABRIC)
+    return any(True for _ in script.calls(*started))
 
 
 class EveryRank:
@@ -88,34 +132,96 @@ class EveryRank:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.functions = script.functions()
+        self._launcher_blocks = self._blocks_of(launcher_calls(script))
         targets = spawn_targets(script)
         # Under a launcher the script's own top level runs in the parent only.
         self.module_runs = targets is None
-        self._running: set[str] = set(targets or ())
+        self._running: set[ast.AST] = {script.tree} if self.module_runs else set()
+        self._running.update(f for name in targets or () for f in self.functions.get(name, []))
         self._expand()
+
+    def _blocks_of(self, calls: list[ast.Call]) -> set[int]:
+        """The statement lists that hold a launcher call: they run in the parent."""
+        blocks: set[int] = set()
+        for call in calls:
+            statement = self.script.statement(call)
+            if statement in self.script.blocks:
+                blocks.add(id(self.script.blocks[statement][0]))
+        return blocks
+
+    def in_launcher(self, node: ast.AST) -> bool:
+        if not self._launcher_blocks:
+            return False
+        blocks = self.script.blocks
+        for candidate in (node, *self.script.ancestors(node)):
+            if isinstance(candidate, (*FUNCTIONS, ast.ClassDef)):
+                break  # a function defined in the launcher's block runs where it is called
+            if candidate in blocks and id(blocks[candidate][0]) in self._launcher_blocks:
+                return True
+        return False
+
+    def _calls(self) -> dict[ast.AST, list[tuple[ast.AST, list[Function]]]]:
+        """Scope -> the references in its code to functions and methods of the file."""
+        script = self.script
+        classes = {c.name: c for c in script.nodes(ast.ClassDef)}
+        methods = {
+            name: {
+                f.name: f for f in c.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+            for name, c in classes.items()
+        }
+        # `trainer = Trainer(...)`: which class each name holds
+        holds = {
+            target: value.func.id
+            for target, values in script.assigned.items()
+            for value, _ in values
+            if isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id in classes
+        }
+        refs: dict[ast.AST, list[tuple[ast.AST, list[Function]]]] = defaultdict(list)
+        for name in script.nodes(ast.Name):
+            if name.id in self.functions and isinstance(name.ctx, ast.Load):
+                refs[script.scope(name)].append((name, self.functions[name.id]))
+            if name.id in classes and isinstance(name.ctx, ast.Load):
+                init = methods[name.id].get("__init__")
+                if init is not None:
+                    refs[script.scope(name)].append((name, [init]))
+        for attr in script.nodes(ast.Attribute):
+            owner = dotted(attr.value)
+            cls: str | None = None
+            if owner == "self" and (c := script.owner_class(attr)) is not None:
+                cls = c.name
+            elif owner is not None:
+                cls = holds.get(owner)
+            if cls is not None and attr.attr in methods.get(cls, {}):
+                refs[script.scope(attr)].append((attr, [methods[cls][attr.attr]]))
+        return refs
 
     def _expand(self) -> None:
         """Functions reached by an unguarded call (or passed along) from code that runs on
-        every rank also run on every rank."""
-        changed = True
-        while changed:
-            changed = False
-            for node in ast.walk(self.script.tree):
-                if not isinstance(node, ast.Name) or node.id not in self.functions:
+        every rank also run on every rank: one pass over the references, breadth first."""
+        refs = self._calls()
+        queue = list(self._running)
+        while queue:
+            scope = queue.pop()
+            for node, defs in refs.get(scope, []):
+                if all(d in self._running for d in defs):
                     continue
-                if node.id in self._running or isinstance(node.ctx, ast.Store):
+                if lexically_guarded(self.script, node) or self.in_launcher(node):
                     continue
-                if self._code_runs(node) and not lexically_guarded(self.script, node):
-                    self._running.add(node.id)
-                    changed = True
+                for d in defs:
+                    if d not in self._running:
+                        self._running.add(d)
+                        queue.append(d)
 
-    def _code_runs(self, node: ast.AST) -> bool:
-        scope = self.script.scope(node)
-        if isinstance(scope, ast.Module):
-            return self.module_runs
-        if isinstance(scope, ast.Lambda) or self.script.in_class(scope):
-            return False  # methods and lambdas: where they run is not known, so no finding
-        return scope.name in self._running
+    def runs(self, node: ast.AST) -> bool:
+        """Whether the code of ``node``'s function runs on every process (guards aside)."""
+        return self.script.scope(node) in self._running
 
     def unguarded(self, node: ast.AST) -> bool:
-        return self._code_runs(node) and not lexically_guarded(self.script, node)
+        return (
+            self.runs(node)
+            and not lexically_guarded(self.script, node)
+            and not self.in_launcher(node)
+        )

@@ -6,8 +6,10 @@ from paratrain.doctor.rules import (
     checkpoints,
     launching,
     loading,
+    numerics,
     output,
     placement,
+    processes,
     samplers,
     syncs,
 )
@@ -21,6 +23,8 @@ RULES: tuple[Rule, ...] = (
     *syncs.RULES,
     *launching.RULES,
     *loading.RULES,
+    *processes.RULES,
+    *numerics.RULES,
 )
 
 __all__ = ["RULES", "Rule"]

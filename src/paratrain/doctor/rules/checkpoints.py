@@ -1,126 +1,116 @@
-"""Saving the state_dict of a DataParallel/DDP-wrapped model: every key gets ``module.``."""
+"""Saving the state_dict of a wrapped or compiled model: every key gets ``module.`` or
+``_orig_mod.``, and a bare model cannot load it."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
 
-from paratrain.doctor.names import ACCELERATOR, DATA_PARALLEL, DDP, RUNTIME, TORCH_SAVE, dotted
+from paratrain.doctor.names import ACCELERATOR, TORCH_SAVE, dotted
 from paratrain.doctor.rules.base import Hit, Rule
-from paratrain.doctor.script import Script, own_nodes
+from paratrain.doctor.script import Script
+from paratrain.doctor.wrappers import COMPILE, WRAP, Wrappers
+
+_FOLLOW = 3  # how many `name = ...` steps to follow back from what is saved
 
 
-def _instances(script: Script, cls: str) -> set[str]:
-    return {
-        name
-        for node in ast.walk(script.tree)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and script.full_name(node.value.func) == cls
-        for t in node.targets
-        if (name := dotted(t)) is not None
-    }
-
-
-def _models(script: Script) -> set[str]:
-    """Names whose parameters are taken somewhere: models, not optimizers or loaders."""
-    return {
-        owner
-        for node in ast.walk(script.tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr in ("parameters", "named_parameters")
-        and (owner := dotted(node.func.value)) is not None
-    }
-
-
-def _wrapping(script: Script, scope: ast.AST) -> list[tuple[int, str, bool]]:
-    """``(line, name, wrapped)`` for every assignment of ``scope``: whether the name then
-    holds a wrapped model (DDP/DataParallel, accelerator.prepare, rt.setup) or not."""
-    preparers = _instances(script, ACCELERATOR) | _instances(script, RUNTIME)
-    models = _models(script)
-    events: list[tuple[int, str, bool]] = []
-    for node in own_nodes(scope):
-        if not isinstance(node, ast.Assign):
-            continue
-        value = node.value
-        for target in node.targets:
-            targets = target.elts if isinstance(target, ast.Tuple) else [target]
-            for index, element in enumerate(targets):
-                name = dotted(element)
-                if name is None:
-                    continue
-                wrapped = False
-                if isinstance(value, ast.Call):
-                    full = script.full_name(value.func)
-                    if (full in (DDP, DATA_PARALLEL) and len(targets) == 1) or (
-                        isinstance(value.func, ast.Attribute)
-                        and value.func.attr in ("prepare", "setup")
-                        and dotted(value.func.value) in preparers
-                        and index < len(value.args)
-                        and dotted(value.args[index]) in models
-                    ):
-                        wrapped = True
-                events.append((node.lineno, name, wrapped))
-    return sorted(events)
-
-
-def _wrapped_at(events: list[tuple[int, str, bool]], name: str, line: int) -> bool:
-    state = False
-    for at, target, wrapped in events:
-        if at < line and target == name:
-            state = wrapped
-    return state
-
-
-def _state_dict_owners(node: ast.AST) -> list[str]:
-    return [
-        owner
-        for n in ast.walk(node)
-        if isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr == "state_dict"
-        and (owner := dotted(n.func.value)) is not None
+def saves(script: Script) -> Iterator[tuple[ast.Call, ast.expr]]:
+    """``(call, what it saves)``: torch.save, accelerator.save, and calls of the file's own
+    helpers that pass a parameter to torch.save (``save_checkpoint({...}, is_best)``)."""
+    savers = {f"{name}.save" for name in script.instances(ACCELERATOR)}
+    direct = [
+        call
+        for call in script.nodes(ast.Call)
+        if call.args and (script.full_name(call.func) == TORCH_SAVE or dotted(call.func) in savers)
     ]
+    yield from ((call, call.args[0]) for call in direct)
+    helpers: dict[str, int] = {}
+    for call in direct:
+        function = script.scope(call)
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) and not script.in_class(
+            function
+        ):
+            params = [a.arg for a in function.args.args]
+            saved = dotted(call.args[0])
+            if saved in params:
+                helpers[function.name] = params.index(saved)
+    if helpers:
+        for call in script.nodes(ast.Call):
+            func = call.func
+            if (
+                isinstance(func, ast.Name)
+                and func.id in helpers
+                and len(call.args) > helpers[func.id]
+            ):
+                yield call, call.args[helpers[func.id]]
+
+
+def _state_dicts(script: Script, saved: ast.expr, at: ast.AST) -> list[tuple[ast.expr, ast.AST]]:
+    """``(owner, where)`` for each ``owner.state_dict()`` in ``saved``, following the names
+    it is built from (``state = {"model": model.state_dict()}``) in the same function."""
+    found: list[tuple[ast.expr, ast.AST]] = []
+    todo: list[tuple[ast.expr, ast.AST, int]] = [(saved, at, 0)]
+    scope = script.scope(at)
+    while todo:
+        expr, where, depth = todo.pop()
+        for node in ast.walk(expr):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "state_dict"
+            ):
+                found.append((node.func.value, where))
+            elif depth < _FOLLOW and isinstance(node, ast.Name):
+                line = getattr(where, "lineno", 0)
+                earlier = [(v, s) for v, s in script.assigned_in(scope, node.id) if s.lineno < line]
+                if earlier:
+                    value, statement = earlier[-1]
+                    todo.append((value, statement, depth + 1))
+    return found
+
+
+def _prefixed(script: Script, want: str) -> list[tuple[ast.Call, str]]:
+    if "prefixed" not in script.memo:
+        script.memo["prefixed"] = _saved_layers(script)
+    return [(call, text) for call, text, layer in script.memo["prefixed"] if layer == want]
+
+
+def _saved_layers(script: Script) -> list[tuple[ast.Call, str, str]]:
+    """``(save call, owner, outermost layer)`` for each wrapped or compiled state_dict saved."""
+    wrappers = Wrappers(script)
+    if not wrappers.any_wrapping():
+        return []
+    found: dict[tuple[int, str, str], tuple[ast.Call, str, str]] = {}
+    for call, saved in saves(script):
+        statement = script.statement(call)
+        for owner, where in _state_dicts(script, saved, statement):
+            text = dotted(owner) or ast.unparse(owner)
+            for layer in {v[0] for v in wrappers.of(owner, where) if v}:
+                found.setdefault((id(call), text, layer), (call, text, layer))
+    return list(found.values())
 
 
 def _wrapped_state_dict(script: Script) -> Iterator[Hit]:
-    savers = {f"{name}.save" for name in _instances(script, ACCELERATOR)}
-    scopes: list[ast.AST] = [script.tree]
-    scopes += [f for defs in script.functions().values() for f in defs]
-    for scope in scopes:
-        events = _wrapping(script, scope)
-        if not any(wrapped for _, _, wrapped in events):
-            continue
-        # what each name was last assigned from, to follow `state = model.state_dict()`
-        values = [
-            (node.lineno, dotted(t), node.value)
-            for node in own_nodes(scope)
-            if isinstance(node, ast.Assign)
-            for t in node.targets
-        ]
-        for call in own_nodes(scope):
-            if not isinstance(call, ast.Call) or not call.args:
-                continue
-            if script.full_name(call.func) != TORCH_SAVE and dotted(call.func) not in savers:
-                continue
-            saved = call.args[0]
-            owners = _state_dict_owners(saved)
-            for name in {dotted(n) for n in ast.walk(saved)} - {None}:
-                earlier = [v for line, t, v in values if t == name and line < call.lineno]
-                if earlier:
-                    owners += _state_dict_owners(earlier[-1])
-            for owner in dict.fromkeys(owners):
-                if _wrapped_at(events, owner, call.lineno):
-                    yield Hit(
-                        call,
-                        f"{owner} is wrapped (DataParallel/DDP), so every key of "
-                        f"{owner}.state_dict() starts with 'module.' and a bare model "
-                        "cannot load it",
-                        f"save {owner}.module.state_dict() (Accelerate: "
-                        "accelerator.unwrap_model(model).state_dict(); paratrain: rt.save "
-                        "writes plain names, and paratrain.load_weights reads either)",
-                    )
+    for call, owner in _prefixed(script, WRAP):
+        yield Hit(
+            call,
+            f"{owner} is wrapped (DataParallel/DDP), so every key of {owner}.state_dict() "
+            "starts with 'module.' and a bare model cannot load it (KeyError)",
+            f"save {owner}.module.state_dict() (Accelerate: "
+            "accelerator.unwrap_model(model).state_dict(); paratrain: rt.save writes plain "
+            "names, and paratrain.load_weights reads either)",
+        )
+
+
+def _compiled_state_dict(script: Script) -> Iterator[Hit]:
+    for call, owner in _prefixed(script, COMPILE):
+        yield Hit(
+            call,
+            f"{owner} is a torch.compile'd model, so every key of {owner}.state_dict() "
+            "starts with '_orig_mod.' and an uncompiled model cannot load it (KeyError)",
+            f"save {owner}._orig_mod.state_dict() (or keep the uncompiled model in its own "
+            "name and save that; paratrain's rt.save and load_weights strip both prefixes)",
+        )
 
 
 RULES = [
@@ -128,5 +118,10 @@ RULES = [
         "wrapped-state-dict",
         "state_dict() of a wrapped model saved with 'module.' keys",
         _wrapped_state_dict,
+    ),
+    Rule(
+        "compiled-state-dict",
+        "state_dict() of a torch.compile'd model saved with '_orig_mod.' keys",
+        _compiled_state_dict,
     ),
 ]

@@ -6,8 +6,8 @@ import ast
 import re
 from collections.abc import Iterator
 
-from paratrain.doctor.names import INIT_PROCESS_GROUP, SPAWN
-from paratrain.doctor.ranks import spawn_targets
+from paratrain.doctor.names import INIT_PROCESS_GROUP, dotted
+from paratrain.doctor.ranks import launcher_calls
 from paratrain.doctor.rules.base import Hit, Rule
 from paratrain.doctor.script import Script, keyword
 
@@ -25,20 +25,13 @@ def _under_main_guard(script: Script, node: ast.AST) -> bool:
     return False
 
 
-def _launch_calls(script: Script) -> list[ast.Call]:
-    calls = list(script.calls(*SPAWN))
-    targets = spawn_targets(script) or set()
-    calls += [  # rt.launch(fn) of a paratrain Runtime
-        c
-        for c in script.method_calls("launch")
-        if c.args and isinstance(c.args[0], ast.Name) and c.args[0].id in targets
-    ]
-    return calls
-
-
 def _spawn_without_guard(script: Script) -> Iterator[Hit]:
     fix = 'put the call under `if __name__ == "__main__":`'
-    for call in _launch_calls(script):
+    callers: dict[str, list[ast.Call]] = {}
+    for node in script.nodes(ast.Call):
+        if isinstance(node.func, ast.Name):
+            callers.setdefault(node.func.id, []).append(node)
+    for call in launcher_calls(script):
         what = ast.unparse(call.func)
         scope = script.scope(call)
         if isinstance(scope, ast.Module):
@@ -52,14 +45,8 @@ def _spawn_without_guard(script: Script) -> Iterator[Hit]:
             continue
         if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef) or script.in_class(scope):
             continue
-        for node in ast.walk(script.tree):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id == scope.name
-                and isinstance(script.scope(node), ast.Module)
-                and not _under_main_guard(script, node)
-            ):
+        for node in callers.get(scope.name, []):
+            if isinstance(script.scope(node), ast.Module) and not _under_main_guard(script, node):
                 yield Hit(
                     node,
                     f"{scope.name}() calls {what} (line {call.lineno}) at import time: every "
@@ -85,9 +72,24 @@ def _fixed_port(script: Script) -> Iterator[Hit]:
                 "collide (EADDRINUSE), or one joins the other's process group",
                 fix,
             )
-    for node in ast.walk(script.tree):
+    for call in script.method_calls("setdefault"):
+        # os.environ.setdefault("MASTER_PORT", "29500"): fixed unless the caller sets it
+        if (
+            script.full_name(call.func) == "os.environ.setdefault"
+            and len(call.args) == 2
+            and isinstance(call.args[0], ast.Constant)
+            and call.args[0].value == "MASTER_PORT"
+            and (port := _literal(call.args[1])) is not None
+        ):
+            yield Hit(
+                call,
+                f"MASTER_PORT defaults to a fixed port ({port}): two runs on this machine "
+                "collide unless each caller sets it",
+                fix,
+            )
+    for node in script.nodes(ast.Assign):
         # os.environ["MASTER_PORT"] = "12355"
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        if len(node.targets) == 1:
             target = node.targets[0]
             if (
                 isinstance(target, ast.Subscript)
@@ -138,12 +140,7 @@ def _fixed_value(script: Script, node: ast.expr) -> str | None:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "str":
         return _fixed_value(script, node.args[0]) if len(node.args) == 1 else None
     if isinstance(node, ast.Name):
-        values = [
-            n.value
-            for n in ast.walk(script.tree)
-            if isinstance(n, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == node.id for t in n.targets)
-        ]
+        values = [v for v, _ in script.assigned.get(node.id, [])]
         literals = [_literal(v) for v in values]
         return literals[0] if literals and all(literals) else None
     if isinstance(node, ast.Attribute):
@@ -164,6 +161,46 @@ def _argparse_default(script: Script, dest: str) -> str | None:
     return None
 
 
+def _local_rank_as_rank(script: Script) -> Iterator[Hit]:
+    for call in script.calls(INIT_PROCESS_GROUP):
+        rank = keyword(call, "rank", 3)
+        if rank is None or not _is_local_rank(script, rank, call):
+            continue
+        yield Hit(
+            rank,
+            f"init_process_group(rank={ast.unparse(rank)}) passes the local rank (the "
+            "process's index on its machine) where the global rank belongs: on two machines, "
+            "two processes claim every rank and the group never forms, or mixes up",
+            "pass the global rank: int(os.environ['RANK']) under torchrun, or node_rank * "
+            "processes_per_node + local_rank (paratrain's launcher sets both)",
+        )
+
+
+def _is_local_rank(script: Script, node: ast.expr, at: ast.AST, depth: int = 0) -> bool:
+    """``args.local_rank``, ``int(os.environ["LOCAL_RANK"])``, or a name assigned from one;
+    not a function's parameter (``mp.spawn`` on one machine: its index is the rank)."""
+    scope = script.scope(at)
+    if (
+        isinstance(node, ast.Name)
+        and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.id in {a.arg for a in scope.args.args}
+        and not script.assigned.get(node.id)
+    ):
+        return False
+    text = ast.unparse(node)
+    if "local_rank" in text.lower() or "LOCAL_RANK" in text:
+        return True
+    name = dotted(node)
+    if name is None or depth > 2:
+        return False
+    earlier = [
+        v
+        for v, s in script.assigned.get(name, [])
+        if script.scope(s) is scope and s.lineno < getattr(at, "lineno", 0)
+    ]
+    return bool(earlier) and _is_local_rank(script, earlier[-1], at, depth + 1)
+
+
 RULES = [
     Rule(
         "spawn-without-main-guard",
@@ -171,4 +208,9 @@ RULES = [
         _spawn_without_guard,
     ),
     Rule("fixed-port", "a hard-coded tcp://127.0.0.1:PORT or MASTER_PORT", _fixed_port),
+    Rule(
+        "local-rank-as-rank",
+        "init_process_group(rank=local_rank): the local rank passed as the global rank",
+        _local_rank_as_rank,
+    ),
 ]

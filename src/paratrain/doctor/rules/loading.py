@@ -8,42 +8,67 @@ from collections.abc import Iterator
 from paratrain.doctor.hints import uses_cuda
 from paratrain.doctor.names import DATA_LOADER, TENSOR_DATASET, dotted
 from paratrain.doctor.rules.base import Hit, Rule
+from paratrain.doctor.rules.placement import FACTORIES as _FACTORIES
 from paratrain.doctor.script import Script, has_kwargs_splat, keyword
 
 
-def _in_memory(script: Script, dataset: ast.expr | None) -> bool:
-    """A TensorDataset: its batches are slices of tensors already in memory, which worker
-    processes do not speed up (and which may already be on the GPU)."""
+def _tensor_dataset(script: Script, dataset: ast.expr | None) -> ast.Call | None:
+    """The ``TensorDataset(...)`` call the loader reads, if it reads one."""
     if dataset is None:
-        return False
+        return None
     if isinstance(dataset, ast.Call):
-        return script.full_name(dataset.func) == TENSOR_DATASET
+        return dataset if script.full_name(dataset.func) == TENSOR_DATASET else None
     name = dotted(dataset)
-    return any(
-        isinstance(n, ast.Assign)
-        and isinstance(n.value, ast.Call)
-        and script.full_name(n.value.func) == TENSOR_DATASET
-        and any(dotted(t) == name for t in n.targets)
-        for n in ast.walk(script.tree)
-    )
+    for value, _ in script.assigned.get(name or "", []):
+        if isinstance(value, ast.Call) and script.full_name(value.func) == TENSOR_DATASET:
+            return value
+    return None
 
 
-def _paratrain_loader(script: Script, loader: ast.Call) -> bool:
-    """Passed to ``rt.setup_loader``, which pins memory on CUDA by itself."""
-    parent = script.parents.get(loader)
-    name = dotted(parent.targets[0]) if isinstance(parent, ast.Assign) else None
-    return any(
-        any(arg is loader or (name is not None and dotted(arg) == name) for arg in call.args)
-        for call in script.method_calls("setup_loader")
-    )
+def _on_device(script: Script, dataset: ast.Call) -> bool:
+    """A TensorDataset of tensors that may already be on the device (``device=``,
+    ``.cuda()``, ``.to(...)``, or anything not built here): pinning them would fail."""
+    for tensor in dataset.args:
+        if (
+            isinstance(tensor, ast.Call)
+            and script.full_name(tensor.func) in _FACTORIES
+            and keyword(tensor, "device") is None
+            and not has_kwargs_splat(tensor)
+        ):
+            continue
+        return True
+    return not dataset.args
 
 
-def _cuda_loaders(script: Script) -> Iterator[ast.Call]:
+def _helper_loaders(script: Script) -> set[int]:
+    """Loaders passed to ``rt.setup_loader``, which pins memory on CUDA by itself."""
+    passed: set[int] = set()
+    names: set[str] = set()
+    for call in script.method_calls("setup_loader"):
+        for arg in call.args:
+            passed.add(id(arg))
+            if (name := dotted(arg)) is not None:
+                names.add(name)
+    for loader in script.calls(DATA_LOADER):
+        parent = script.parents.get(loader)
+        if isinstance(parent, ast.Assign) and dotted(parent.targets[0]) in names:
+            passed.add(id(loader))
+    return passed
+
+
+def _cuda_loaders(script: Script, pinning: bool) -> Iterator[ast.Call]:
+    """Loaders feeding CUDA. A TensorDataset's batches are slices of tensors already in
+    memory: worker processes do not speed them up, but pinning them does (when they are
+    plain CPU tensors built here)."""
     if not uses_cuda(script):
         return
     for loader in script.calls(DATA_LOADER):
-        if not has_kwargs_splat(loader) and not _in_memory(script, keyword(loader, "dataset", 0)):
-            yield loader
+        if has_kwargs_splat(loader):
+            continue
+        dataset = _tensor_dataset(script, keyword(loader, "dataset", 0))
+        if dataset is not None and (not pinning or _on_device(script, dataset)):
+            continue
+        yield loader
 
 
 def _is_constant(node: ast.expr | None, value: object) -> bool:
@@ -52,8 +77,31 @@ def _is_constant(node: ast.expr | None, value: object) -> bool:
     )
 
 
+#: libraries whose data sets read and decode every sample (files, images, audio...)
+_LOADING_LIBRARIES = ("torchvision.", "torchaudio.", "torchtext.", "datasets.", "webdataset.")
+
+
+def _loads_samples(script: Script, dataset: ast.expr | None) -> bool:
+    """The data set is known to do work per sample: built by a library that reads and
+    decodes files (torchvision's ImageFolder, CIFAR10...). Anything else (a parameter, a
+    class of another module, tensors in memory) may cost nothing to index, so no finding."""
+    if dataset is None:
+        return False
+    values = [dataset]
+    if (name := dotted(dataset)) is not None:
+        values += [v for v, _ in script.assigned.get(name, [])]
+    for value in values:
+        if isinstance(value, ast.Call):
+            full = script.full_name(value.func) or ""
+            if full.startswith(_LOADING_LIBRARIES):
+                return True
+    return False
+
+
 def _num_workers(script: Script) -> Iterator[Hit]:
-    for loader in _cuda_loaders(script):
+    for loader in _cuda_loaders(script, pinning=False):
+        if not _loads_samples(script, keyword(loader, "dataset", 0)):
+            continue
         workers = keyword(loader, "num_workers", 5)
         if workers is None or _is_constant(workers, 0):
             yield Hit(
@@ -65,11 +113,10 @@ def _num_workers(script: Script) -> Iterator[Hit]:
 
 
 def _pin_memory(script: Script) -> Iterator[Hit]:
-    for loader in _cuda_loaders(script):
+    helped = _helper_loaders(script)
+    for loader in _cuda_loaders(script, pinning=True):
         pinned = keyword(loader, "pin_memory", 7)
-        if (pinned is None or _is_constant(pinned, False)) and not _paratrain_loader(
-            script, loader
-        ):
+        if (pinned is None or _is_constant(pinned, False)) and id(loader) not in helped:
             yield Hit(
                 loader,
                 "DataLoader without pin_memory feeding a GPU: every batch is copied from "

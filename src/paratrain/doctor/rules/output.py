@@ -6,18 +6,18 @@ import ast
 from collections.abc import Iterator
 
 from paratrain.doctor import styles
-from paratrain.doctor.names import (
-    ACCELERATOR,
-    DDP,
-    FABRIC,
-    INIT_PROCESS_GROUP,
-    SPAWN,
-    TORCH_SAVE,
-    dotted,
+from paratrain.doctor.names import TORCH_SAVE, dotted
+from paratrain.doctor.ranks import (
+    EveryRank,
+    guard_of,
+    launcher_calls,
+    lexically_guarded,
+    mentions_rank,
+    multi_process,
 )
-from paratrain.doctor.ranks import EveryRank, lexically_guarded, mentions_rank, spawn_targets
 from paratrain.doctor.rules.base import Hit, Rule
-from paratrain.doctor.script import Script
+from paratrain.doctor.rules.checkpoints import saves
+from paratrain.doctor.script import FUNCTIONS, Script
 
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 
@@ -31,30 +31,15 @@ _ONCE = {
 _DEFAULT_ONCE = "`if dist.get_rank() == 0:` (paratrain: rt.print(...), rt.save(...))"
 
 
-def _multi_process(script: Script) -> bool:
-    if spawn_targets(script) is not None or script.uses("horovod"):
-        return True
-    started = (INIT_PROCESS_GROUP, DDP, *SPAWN, ACCELERATOR, FABRIC)
-    return any(True for _ in script.calls(*started))
-
-
 def _loggers(script: Script) -> set[str]:
     """Names assigned from ``logging.getLogger(...)``."""
-    return {
-        name
-        for node in ast.walk(script.tree)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and script.full_name(node.value.func) == "logging.getLogger"
-        for t in node.targets
-        if (name := dotted(t)) is not None
-    }
+    return script.instances("logging.getLogger")
 
 
 def _logging_per_rank(script: Script) -> bool:
     """Logging configured by rank (a level or a handler chosen by rank) is already once."""
-    for node in ast.walk(script.tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name):
+    for node in script.nodes(ast.Call):
+        if isinstance(node.func, ast.Attribute | ast.Name):
             name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
             configures = name in ("basicConfig", "setLevel", "disable", "addHandler")
             if configures and (mentions_rank(node) or lexically_guarded(script, node)):
@@ -65,9 +50,8 @@ def _logging_per_rank(script: Script) -> bool:
 def _print_replaced(script: Script) -> bool:
     """``builtins.print = ...`` (seed 004's setup_for_distributed): print is already rank-aware."""
     return any(
-        isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Attribute) and t.attr == "print" for t in node.targets)
-        for node in ast.walk(script.tree)
+        any(isinstance(t, ast.Attribute) and t.attr == "print" for t in node.targets)
+        for node in script.nodes(ast.Assign)
     )
 
 
@@ -103,7 +87,7 @@ def _names_its_rank(call: ast.Call) -> bool:
 
 
 def _unguarded_output(script: Script) -> Iterator[Hit]:
-    if not _multi_process(script):
+    if not multi_process(script):
         return
     every_rank = EveryRank(script)
     loggers, logs, prints = (
@@ -112,9 +96,7 @@ def _unguarded_output(script: Script) -> Iterator[Hit]:
         not _print_replaced(script),
     )
     once = _ONCE.get(styles.detect(script).name, _DEFAULT_ONCE)
-    for node in ast.walk(script.tree):
-        if not isinstance(node, ast.Call):
-            continue
+    for node in script.nodes(ast.Call):
         kind = _kind(script, node, loggers, logs, prints)
         if kind is None or not every_rank.unguarded(node):
             continue
@@ -129,3 +111,52 @@ def _unguarded_output(script: Script) -> Iterator[Hit]:
 
 
 RULES = [Rule("unguarded-output", "printing, logging or saving on every rank", _unguarded_output)]
+
+
+def _launcher_flags(script: Script) -> set[str]:
+    """Flags that choose the launcher: ``if args.multiprocessing_distributed: mp.spawn(...)``.
+    Under torchrun the script does not spawn, so such a flag is false on every process."""
+    flags: set[str] = set()
+    for call in launcher_calls(script):
+        child: ast.AST = call
+        for parent in script.ancestors(call):
+            if isinstance(parent, ast.If) and any(child is s for s in parent.body):
+                flags.update(d for n in ast.walk(parent.test) if (d := dotted(n)) is not None)
+            if isinstance(parent, FUNCTIONS):
+                break
+            child = parent
+    return flags
+
+
+def _guard_holds_everywhere(script: Script) -> Iterator[Hit]:
+    flags = _launcher_flags(script)
+    if not flags:
+        return
+    for call, _ in saves(script):
+        test = guard_of(script, call)
+        if not isinstance(test, ast.BoolOp) or not isinstance(test.op, ast.Or):
+            continue
+        for operand in test.values:
+            if (
+                isinstance(operand, ast.UnaryOp)
+                and isinstance(operand.op, ast.Not)
+                and (flag := dotted(operand.operand)) in flags
+            ):
+                yield Hit(
+                    call,
+                    f"the guard ({ast.unparse(test)}) holds on every process when {flag} is "
+                    f"false, as it is under torchrun ({flag} only chooses mp.spawn): every "
+                    "process writes the same file at once",
+                    "guard with the rank itself: `if dist.get_rank() == 0:` (paratrain: "
+                    "rt.save writes once, however the processes were started)",
+                )
+                break
+
+
+RULES.append(
+    Rule(
+        "rank-guard-flag",
+        "a save guarded by a launcher flag that is false under torchrun: every rank writes",
+        _guard_holds_everywhere,
+    )
+)

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from paratrain.doctor.hints import moves_to_device
 from paratrain.doctor.names import DATA_PARALLEL, dotted
 from paratrain.doctor.rules.base import Hit, Rule
-from paratrain.doctor.script import Script, has_kwargs_splat, keyword, own_nodes
+from paratrain.doctor.script import Script, has_kwargs_splat, keyword
 
 #: factories that take ``device=``
-_FACTORIES = {
+FACTORIES = {
     f"torch.{name}"
     for name in [
         "rand",
@@ -33,12 +33,12 @@ _FACTORIES = {
 
 
 def _create_then_move(script: Script) -> Iterator[Hit]:
-    for node in ast.walk(script.tree):
-        if not isinstance(node, ast.Call) or not moves_to_device(script, node):
+    for node in script.nodes(ast.Call):
+        if not moves_to_device(script, node):
             continue
         assert isinstance(node.func, ast.Attribute)
         made = node.func.value
-        if not isinstance(made, ast.Call) or script.full_name(made.func) not in _FACTORIES:
+        if not isinstance(made, ast.Call) or script.full_name(made.func) not in FACTORIES:
             continue
         if keyword(made, "device") is not None or has_kwargs_splat(made):
             continue
@@ -53,11 +53,10 @@ def _create_then_move(script: Script) -> Iterator[Hit]:
 
 
 def _optimizer_before_move(script: Script) -> Iterator[Hit]:
-    scopes: list[ast.AST] = [script.tree]
-    scopes += [f for defs in script.functions().values() for f in defs]
+    scopes: list[ast.AST] = [script.tree, *script.all_functions]
     for scope in scopes:
         built: dict[str, int] = {}  # model -> line of the first optimizer built from it
-        for node in own_nodes(scope):
+        for node in script.own(scope):
             if not isinstance(node, ast.Call):
                 continue
             full = script.full_name(node.func) or ""
@@ -65,7 +64,7 @@ def _optimizer_before_move(script: Script) -> Iterator[Hit]:
                 params = keyword(node, "params", 0)
                 for owner in _parameter_owners(params):
                     built[owner] = min(built.get(owner, node.lineno), node.lineno)
-        for node in own_nodes(scope):
+        for node in script.own(scope):
             if not isinstance(node, ast.Call) or not moves_to_device(script, node):
                 continue
             assert isinstance(node.func, ast.Attribute)
@@ -96,8 +95,8 @@ def _parameter_owners(params: ast.expr | None) -> set[str]:
 
 def _dataparallel_on_cpu(script: Script) -> Iterator[Hit]:
     moved: set[str] = set()
-    for node in ast.walk(script.tree):
-        if isinstance(node, ast.Call) and moves_to_device(script, node):
+    for node in script.nodes(ast.Call):
+        if moves_to_device(script, node):
             assert isinstance(node.func, ast.Attribute)
             if (name := dotted(node.func.value)) is not None:
                 moved.add(name)
@@ -114,6 +113,9 @@ def _dataparallel_on_cpu(script: Script) -> Iterator[Hit]:
         if module is None or isinstance(module, ast.Call) or has_kwargs_splat(call):
             continue  # DataParallel(model.cuda()) and friends
         if wrapped is None or {wrapped, target, ast.unparse(call)} & moved:
+            continue
+        # `model.features = DataParallel(model.features)`, then `model.cuda()` moves it too
+        if any(wrapped.startswith(m + ".") for m in moved):
             continue
         yield Hit(
             call,

@@ -14,14 +14,40 @@ _SYNCING = {"item", "cpu", "tolist", "numpy"}
 _CONDITIONAL = (ast.If, ast.IfExp, ast.Try, ast.ExceptHandler, ast.BoolOp)
 
 
-def _step_loops(script: Script) -> list[ast.AST]:
-    """The innermost loop around each backward pass: its body runs once per step."""
-    loops: list[ast.AST] = []
+def _step_bodies(script: Script) -> list[ast.AST]:
+    """Code that runs once per step: the innermost loop around each backward pass, or the
+    function (or method: ``self._run_batch(...)``) that makes it when that function is
+    called from inside a loop."""
+    bodies: dict[int, ast.AST] = {}
+    looped: set[str] | None = None
     for call in script.method_calls("backward"):
         around = script.loops_around(call)
-        if around and not any(around[0] is loop for loop in loops):
-            loops.append(around[0])
-    return loops
+        if around:
+            bodies[id(around[0])] = around[0]
+            continue
+        function = script.scope(call)
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if looped is None:
+            looped = {
+                name
+                for c in script.nodes(ast.Call)
+                if (name := _called_name(c)) is not None and script.loops_around(c)
+            }
+        if function.name in looped:
+            bodies[id(function)] = function
+    return list(bodies.values())
+
+
+def _called_name(call: ast.Call) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _code(script: Script, body: ast.AST) -> list[ast.AST]:
+    return list(own_nodes(body)) if isinstance(body, LOOPS) else script.own(body)
 
 
 def _every_time(script: Script, node: ast.AST, loop: ast.AST) -> bool:
@@ -34,26 +60,19 @@ def _every_time(script: Script, node: ast.AST, loop: ast.AST) -> bool:
     return False
 
 
-def _tensor_names(script: Script, loop: ast.AST) -> set[str]:
-    """The loss and the model's outputs, as named in this loop."""
+def _models(script: Script) -> set[str]:
     models = {
         owner
-        for n in ast.walk(script.tree)
-        if isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr == "parameters"
-        and (owner := dotted(n.func.value)) is not None
+        for n in script.method_calls("parameters")
+        if isinstance(n.func, ast.Attribute) and (owner := dotted(n.func.value)) is not None
     }
-    models |= {
-        dotted(t) or ""
-        for n in ast.walk(script.tree)
-        if isinstance(n, ast.Assign)
-        and isinstance(n.value, ast.Call)
-        and script.full_name(n.value.func) in (DDP, DATA_PARALLEL)
-        for t in n.targets
-    }
+    return models | script.instances(DDP, DATA_PARALLEL)
+
+
+def _tensor_names(script: Script, code: list[ast.AST], models: set[str]) -> set[str]:
+    """The loss and the model's outputs, as named in this loop."""
     names: set[str] = set()
-    for node in own_nodes(loop):
+    for node in code:
         func = node.func if isinstance(node, ast.Call) else None
         if (
             isinstance(node, ast.Call)
@@ -87,17 +106,17 @@ def _sync_every_step(script: Script) -> Iterator[Hit]:
     if not uses_accelerator(script):
         return  # on the CPU, .item() waits for nothing
     seen: set[int] = set()
-    for loop in _step_loops(script):
-        assert isinstance(loop, LOOPS)
-        tensors = _tensor_names(script, loop)
-        for node in own_nodes(loop):
+    models = _models(script)
+    for loop in _step_bodies(script):
+        code = _code(script, loop)
+        tensors = _tensor_names(script, code, models)
+        header = getattr(loop, "iter", None) or getattr(loop, "test", None)
+        once = {id(n) for n in ast.walk(header)} if header is not None else set()
+        for node in code:
             if not isinstance(node, ast.Call) or not _every_time(script, node, loop):
                 continue
             func = node.func
-            if any(
-                node is n
-                for n in ast.walk(loop.iter if not isinstance(loop, ast.While) else loop.test)
-            ):
+            if id(node) in once:
                 continue
             if isinstance(func, ast.Attribute) and func.attr in _SYNCING:
                 what = f".{func.attr}()"
