@@ -44,8 +44,13 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path]:
     )
     checkpoints = run / "checkpoints"
     started = _until(
-        lambda: launcher.poll() is not None
-        or (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()))
+        lambda: (
+            launcher.poll() is not None
+            or (
+                checkpoints.is_dir()
+                and any(p.name.startswith("step-") for p in checkpoints.iterdir())
+            )
+        )
     )
     assert started and launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
     return launcher, run

@@ -61,9 +61,7 @@ def finished(tmp_path: Path) -> Path:
     return run
 
 
-def test_a_damaged_config_json_is_named(
-    finished: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_damaged_config_json_is_named(finished: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = finished / "config.json"
     payload = json.loads(path.read_text())
     payload["config"]["batch_size"] = "abc"
