@@ -113,6 +113,8 @@ def run_agent(
     run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
     args = get_args_parser().parse_args(_torchrun_args(nodes, nprocs, entry, run_id))
     with tempfile.TemporaryDirectory(prefix="paratrain-agent-") as tmp:
+        # A script's own init_process_group binds gloo/nccl to loopback too.
+        os.environ.update(loopback.interface_environment() if _on_loopback(nodes) else {})
         os.environ.update(env)
         os.environ[REPORT_VARIABLE] = tmp
         watchdog = None
