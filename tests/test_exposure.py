@@ -5,7 +5,10 @@ each is killed with SIGKILL once it has written a checkpoint."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ from processes import alive, descendants, exposed, listening
 
 from paratrain import run_lock
 from paratrain.cli import main
+from paratrain.errors import UserError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -44,8 +48,13 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path]:
     )
     checkpoints = run / "checkpoints"
     started = _until(
-        lambda: launcher.poll() is not None
-        or (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()))
+        lambda: (
+            launcher.poll() is not None
+            or (
+                checkpoints.is_dir()
+                and any(p.name.startswith("step-") for p in checkpoints.iterdir())
+            )
+        )
     )
     assert started and launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
     return launcher, run
@@ -89,3 +98,29 @@ def test_agent_job_listens_on_loopback_and_dies_with_its_launcher(
 ) -> None:
     # the agent's rendezvous store and its workers' store, and gloo's sockets
     assert _check_job(tmp_path, capsys, "--max-restarts", "1") >= 4
+
+
+def _lock_file(run: Path, owner: object) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / run_lock.LOCK).write_text(json.dumps(owner))
+
+
+def test_a_live_or_remote_owner_keeps_its_lock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process: a live pid on this host, and any pid on another host, are refused
+    (exit code 2, one line); an unreadable lock is stale; a released lock is gone."""
+    run = tmp_path / "run"
+    _lock_file(run, {"host": socket.gethostname(), "pid": os.getppid()})
+    with pytest.raises(UserError, match=f"pid {os.getppid()} on this machine"):
+        run_lock.acquire(run)
+    assert main(["train", "--no-progress", "--strategy", "cpu", "--resume", str(run)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    _lock_file(run, {"host": "elsewhere", "pid": 1})
+    with pytest.raises(UserError, match="locked by pid 1 on host elsewhere"):
+        run_lock.acquire(run)
+    (run / run_lock.LOCK).write_text("{half")
+    with run_lock.hold(run):
+        assert json.loads((run / run_lock.LOCK).read_text())["pid"] == os.getpid()
+    assert not (run / run_lock.LOCK).exists()
+    assert "taking the lock over" in capsys.readouterr().err

@@ -61,9 +61,7 @@ def finished(tmp_path: Path) -> Path:
     return run
 
 
-def test_a_damaged_config_json_is_named(
-    finished: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_damaged_config_json_is_named(finished: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = finished / "config.json"
     payload = json.loads(path.read_text())
     payload["config"]["batch_size"] = "abc"
@@ -107,3 +105,18 @@ def test_load_quantized_on_random_bytes_gives_no_unsafe_advice(tmp_path: Path) -
         paratrain.load_quantized(path)
     assert "not a quantized model written by paratrain export" in str(caught.value)
     assert "weights_only" not in str(caught.value)
+
+
+def test_resuming_with_another_strategy_drops_the_options_of_the_first(
+    finished: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run trained with fsdp's options, resumed with --strategy cpu: they no longer apply
+    and are dropped, rather than refused."""
+    path = finished / "config.json"
+    payload = json.loads(path.read_text())
+    payload["config"].update(strategy="fsdp", fsdp_blocks="Linear")
+    path.write_text(json.dumps(payload))
+    argv = ["train", "--no-progress", "--resume", str(finished), "--strategy", "cpu"]
+    code, _, err = _run(capsys, *argv, "--max-steps", "22")
+    assert code == 0, err
+    assert json.loads(path.read_text())["config"]["fsdp_blocks"] is None

@@ -123,6 +123,8 @@ def run_agent(
     run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
     args = get_args_parser().parse_args(_torchrun_args(nodes, nprocs, entry, run_id))
     with tempfile.TemporaryDirectory(prefix="paratrain-agent-") as tmp, quiet_torch_logs():
+        # A script's own init_process_group binds gloo/nccl to loopback too.
+        os.environ.update(loopback.interface_environment() if _on_loopback(nodes) else {})
         os.environ.update(env)
         os.environ[REPORT_VARIABLE] = tmp
         # The agent passes these on to its processes (a stop at the next step); SIGUSR1 is

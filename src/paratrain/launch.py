@@ -14,7 +14,10 @@ Three ways, all PyTorch's own machinery:
 
 If a spawned process raises or is killed, the others are stopped (SIGTERM, then SIGKILL)
 and :class:`~paratrain.errors.LaunchError` names the rank and its traceback or signal. A rank
-that stops making progress is found by the hang watchdog (:mod:`paratrain.watchdog`).
+that stops making progress is found by the hang watchdog (:mod:`paratrain.watchdog`). A
+spawned process dies with the launcher, however the launcher ends
+(:mod:`paratrain.parent_death`), and rank 0's store listens on loopback only
+(:mod:`paratrain.loopback`).
 """
 
 from __future__ import annotations

@@ -77,15 +77,20 @@ def loopback_interface() -> str | None:
     return None
 
 
+def interface_environment() -> dict[str, str]:
+    """The variables that bind gloo's and NCCL's sockets to the loopback interface, those
+    the user has not set."""
+    name = loopback_interface()
+    if name is None:
+        return {}
+    return {v: name for v in _INTERFACE_VARIABLES if v not in os.environ}
+
+
 def pin_interfaces(master_addr: str | None) -> None:
     """Bind gloo's and NCCL's sockets to the loopback interface when the rendezvous is on
     loopback, unless the user chose an interface."""
-    if not is_loopback(master_addr):
-        return
-    name = loopback_interface()
-    if name is not None:
-        for variable in _INTERFACE_VARIABLES:
-            os.environ.setdefault(variable, name)
+    if is_loopback(master_addr):
+        os.environ.update(interface_environment())
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ class DDPStrategy(Strategy):
                         world_size=env_int("WORLD_SIZE", 1),
                         timeout=self.init_timeout,
                     )
-            except (RuntimeError, ValueError) as exc:
+            except (RuntimeError, ValueError, OSError) as exc:  # OSError: the port taken
                 rank, world = self.collective.rank, self.collective.world_size
                 seconds = self.init_timeout.total_seconds()
                 raise LaunchError(
