@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -167,6 +168,10 @@ def _worker(
     )
     with contextlib.suppress(OSError):  # signals come from the launcher, once
         os.setpgid(0, 0)
+    # Outside the launcher's process group, a `kill -9 -GROUP` no longer reaches this
+    # process: it dies with the launcher instead (torch's spawn sets SIGINT for that,
+    # which would now be a request to stop after the step).
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # type: ignore[attr-defined]
     if "OMP_NUM_THREADS" not in os.environ:
         # Share the cores instead of every process using all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
