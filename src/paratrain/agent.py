@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from paratrain import loopback
 from paratrain.collective_order import REPORT_DIR_VARIABLE
@@ -135,12 +137,13 @@ def run_agent(
             os.environ[DIRECTORY_VARIABLE] = tmp
             watchdog = WatchdogThread(Watchdog(Path(tmp), timeout))
         stores = loopback.agent_stores() if _on_loopback(nodes) else contextlib.nullcontext()
-        with watchdog or contextlib.nullcontext(), stores:
+        with watchdog or contextlib.nullcontext(), stores, _second_interrupt_kills(Path(tmp)):
             try:
                 torch_run(args)
             except ChildFailedError as exc:
                 raise _failure(exc, Path(tmp), watchdog, what, nodes.max_restarts) from None
             except SignalException as exc:  # the agent stopped its processes on a signal
+                _kill_left(Path(tmp))  # a second Ctrl-C cut the agent's wait short
                 raise stopped_on_signal(Path(tmp), exc.sigval) from None
             finally:
                 for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE):
@@ -202,6 +205,41 @@ def stopped_on_signal(tmp: Path, signum: int) -> BaseException:
     message = stop_message(request, None, None, 0.0)
     print(message, file=sys.stderr, flush=True)
     return Stopped(request, message)
+
+
+@contextlib.contextmanager
+def _second_interrupt_kills(tmp: Path) -> Iterator[None]:
+    """The agent's first Ctrl-C passes SIGINT on and waits up to 30 s for its processes
+    (they save a checkpoint); a second one SIGKILLs them and stops at once. torch registers
+    its handler by this module-level name when it starts the processes."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api._terminate_process_handler
+    interrupts = [0]
+
+    def handle(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            interrupts[0] += 1
+            if interrupts[0] > 1:
+                _kill_left(tmp)
+                raise KeyboardInterrupt
+        original(signum, frame)
+
+    api._terminate_process_handler = handle
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = original
+
+
+def _kill_left(tmp: Path) -> None:
+    """SIGKILL the processes of this machine still running (each leads its own session)."""
+    for path in tmp.glob("started-a*-rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(path.read_text(encoding="utf-8"))
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"paratrain.entry" in cmdline:  # not a reused pid
+                os.killpg(pid, signal.SIGKILL)
 
 
 def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:

@@ -46,7 +46,7 @@ def _faults() -> list[tuple[str, int, int]]:
 
 def at_step(rank: int, step: int, loss: Any) -> Any:
     """Apply the fault meant for ``rank`` at optimizer step ``step`` (1-based), if any."""
-    for fault in _faults():
+    for fault in list(_faults()):
         if fault[1:] != (rank, step):
             continue
         kind = fault[0]

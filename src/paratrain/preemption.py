@@ -130,6 +130,13 @@ def agree(collective: Collective) -> Request | None:
     return Request(int(signum), -minus_at)
 
 
+def clear() -> None:
+    """Forget the request once acted on (the handlers stay): a later loop in this process
+    runs until the next signal."""
+    global _request, _interrupts
+    _request, _interrupts = None, 0
+
+
 def reset() -> None:
     """Forget a request and put Python's handlers back (tests; a process run again)."""
     global _request, _interrupts, _watching

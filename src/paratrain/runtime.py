@@ -562,6 +562,8 @@ class Runtime:
         message = preemption.stop_message(request, step, path, time.time() - request.at)
         if self.is_main:
             print(message, file=sys.stderr, flush=True)
+        self._stop = None
+        preemption.clear()
         raise preemption.Stopped(request, message)
 
     # -- checkpoints -------------------------------------------------------------------------
