@@ -211,7 +211,7 @@ class DeviceLoader:
         if sink is None:
             for batch in self._batches():
                 beat()  # progress, for the hang watchdog (evaluation has no backward)
-                yield batch
+                yield move_to_device(batch, self.device)
             return
         weights = self._loss_weights()
         last = len(self.loader) - 1
@@ -225,9 +225,9 @@ class DeviceLoader:
         sink.at_last_batch = False
 
     def _batches(self) -> Iterator[Any]:
-        """The epoch's batches on the device, once the epoch is chosen."""
-        for batch in self.loader:
-            yield move_to_device(batch, self.device)
+        """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the
+        device: one pass over each batch's tensors, not two)."""
+        yield from self.loader
 
 
 def shard_loader(

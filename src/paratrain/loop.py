@@ -235,7 +235,7 @@ def train(
                 )
             bar.update(step, epoch, train_loss, samples)
             if writer is not None:
-                writer.write({**_record(epoch, step, "train", train_loss, None), **watched})
+                writer.write(_record(epoch, step, "train", train_loss, None))
                 writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
             if ml is not None:
                 ml.log(
@@ -262,7 +262,8 @@ def train(
                 with clock.measure("checkpoint"):
                     saver.save(epoch + 1, 0, step)
             if timings is not None:
-                timings.write(clock.end_epoch(epoch, step))
+                # measured, not reproducible: beside the timings, not in metrics.jsonl
+                timings.write({**clock.end_epoch(epoch, step), **watched})
             if on_epoch is not None:
                 saver.wait()  # the epoch's checkpoint is on disk before anyone reads it
                 if rt.is_main:

@@ -30,6 +30,7 @@ abort, or into a hang).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -73,6 +74,13 @@ class NonFiniteCheck:
         self.skipped = False
         if self.policy == "off":
             return True
+        if (
+            collective.world_size == 1
+            and self._pending is None
+            and loss.device.type == "cpu"  # reading it costs no device sync
+            and math.isfinite(loss.item())
+        ):
+            return True  # one process, a finite loss: nothing to agree on, no tensor to make
         bad = ~torch.isfinite(loss.detach())
         if self.policy == "error" and not ends_step:
             self._pending = bad if self._pending is None else self._pending | bad

@@ -134,6 +134,8 @@ def run_worker(spec: RunSpec, processes: int, timeout: float) -> dict[str, Any]:
         # A bench started inside a launched group must not make its workers think they are
         # ranks of that group.
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        # set before the worker imports torch; its runtime chooses the thread count
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # A session of its own: on a timeout the whole group (launched ranks too) is ended.
         proc = subprocess.Popen(
             command,
