@@ -119,10 +119,12 @@ def _check_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> 
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = rt.setup(model, optimizer)
     epoch = epoch_fn(rt.setup_loader(loader), model, optimizer, rt.backward)
-    times: dict[str, list[float]] = {"check on": [], "check off": []}
+    names = ("check on", "check off")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  # the thread's work included
     shuffler = random.Random(0)  # the same order on both processes
     for round_index in range(warmup + rounds):
-        order = list(times)
+        order = list(names)
         shuffler.shuffle(order)
         for name in order:
             if name == "check on":
@@ -130,11 +132,14 @@ def _check_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> 
             else:
                 collective_order.stop()
             rt.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps_done = epoch()
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if round_index >= warmup:
                 times[name].append(elapsed / steps_done)
+                cpu[name].append(elapsed_cpu / steps_done)
+    for name in names:
+        times[f"{name} (cpu)"] = cpu[name]
     ledger = collective_order.Ledger()
     start = time.perf_counter()
     for _ in range(100_000):
@@ -154,13 +159,15 @@ def collective_check(args: argparse.Namespace) -> None:
         f"# {cpu_name()}, ddp on cpu,cpu (gloo), torch {torch.__version__}, batch {args.batch}, "
         f"{args.steps} steps x {args.rounds} rounds"
     )
+    for kind in ("", " (cpu)"):
+        base = statistics.median(times[f"check off{kind}"])
+        for name in (f"check off{kind}", f"check on{kind}"):
+            median = statistics.median(times[name])
+            print(
+                f"{name:>16}: median step {median * 1e6:8.1f} us "
+                f"(min {min(times[name]) * 1e6:.1f}), ratio {median / base:.3f}"
+            )
     base = statistics.median(times["check off"])
-    for name in ("check off", "check on"):
-        median = statistics.median(times[name])
-        print(
-            f"{name:>16}: median step {median * 1e6:8.1f} us "
-            f"(min {min(times[name]) * 1e6:.1f}), ratio {median / base:.3f}"
-        )
     ledger = times["ledger per collective"][0]
     print(f"{'ledger':>16}: {ledger * 1e6:.2f} us per collective ({ledger / base:.2%} of a step)")
 

@@ -213,7 +213,7 @@ class OrderCheck:
             store.set(f"rank{self.rank}", encoded)  # type: ignore[attr-defined]
             self._published = encoded
         if store.check([_VERDICT]):  # type: ignore[attr-defined]
-            self._stop_process(store.get(_VERDICT).decode(), first=False)  # type: ignore[attr-defined]
+            self._stop_process(store.get(_VERDICT).decode())  # type: ignore[attr-defined]
         if position.inside and time.time() - position.since >= self.seconds:
             keys = [f"rank{r}" for r in range(self.world_size)]
             if not store.check(keys):  # type: ignore[attr-defined]
@@ -223,9 +223,9 @@ class OrderCheck:
             message = disagreement(positions, position)
             if message is not None:
                 stored = store.compare_set(_VERDICT, "", message).decode()  # type: ignore[attr-defined]
-                self._stop_process(stored, first=stored == message)
+                self._stop_process(stored)
 
-    def _stop_process(self, message: str, first: bool) -> None:
+    def _stop_process(self, message: str) -> None:
         """Hand ``message`` to the launcher and end this process (its main thread is
         blocked inside a collective: only ending the process frees it)."""
         launch_dir = os.environ.get(LAUNCH_DIR_VARIABLE)
@@ -236,7 +236,7 @@ class OrderCheck:
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             path = Path(report_dir, f"report-a{attempt}-rank{self.rank}.txt")
             path.write_text(f"launch\n{message}", encoding="utf-8")
-        elif first:
+        elif self.store.add("printed", 1) == 1:  # type: ignore[attr-defined]  # one process says it
             print(f"paratrain: error: {message}", file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
