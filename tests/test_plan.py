@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import paratrain
 from paratrain.cli import main
 from paratrain.commands.plan import parse_size, recipe_builder
 from paratrain.models import GPT
@@ -92,3 +93,38 @@ def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["plan", "--device-memory", "lots"]) == 2
     assert "--device-memory 'lots': write a size such as 80GiB" in capsys.readouterr().err
     assert parse_size("80GiB") == 80 << 30 and parse_size("512M") == 512 << 20
+
+
+def _measure_fsdp(rt: paratrain.Runtime, batch: int) -> list[int]:
+    """In each fsdp process: the peak FSDPMemTracker sees over two real steps of tiny-gpt
+    (width 64)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    peaks = []
+    for build in (_gpt(64),):
+        model, loss_fn, make_optimizer, sample = build()
+        optimizer = make_optimizer(model.parameters())
+        model, optimizer = rt.setup(model, optimizer)
+        x, y = sample(batch // rt.world_size)
+        tracker = FSDPMemTracker(model, optimizer)
+        with tracker:
+            for _ in range(2):
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                tracker.reset_mod_stats()
+        peaks.append(max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()))
+    return peaks
+
+
+@pytest.mark.slow
+def test_fsdp_prediction_within_15_percent_of_two_real_processes() -> None:
+    """--strategy fsdp on cpu,cpu: the predicted per-process peak of tiny-gpt is within 15%
+    of what FSDP2's memory tracker measures in two real gloo processes (all four models and
+    ddp: benchmarks/plan_accuracy.py)."""
+    measured = paratrain.Runtime("fsdp", devices="cpu,cpu").launch(_measure_fsdp, 16)
+    assert measured is not None
+    for build, peak in zip((_gpt(64),), measured, strict=True):
+        plan = plan_memory(lambda b, f=build: trace_step(f, b), "m", 16, "32", 2, "cpu", 1, "-")
+        predicted = {p.layout: p.peak for p in plan.layouts}["fsdp"]
+        assert abs(predicted / peak - 1) <= 0.15, (predicted, peak)

@@ -95,7 +95,8 @@ def cut(batch: Any, start: int, end: int) -> Any:
 
 @dataclass
 class Snapshot:
-    """What a forward changes besides the autograd graph: generators and buffers."""
+    """What a forward changes besides the autograd graph: the random generators and the
+    running statistics of normalization layers."""
 
     cpu_rng: torch.Tensor
     device_rng: torch.Tensor | None
@@ -106,7 +107,10 @@ class Snapshot:
         device_rng = None
         if device.type == "cuda":
             device_rng = torch.cuda.get_rng_state(device)
-        buffers = [(b, b.detach().clone()) for b in model.buffers() if b.numel()]
+        # only normalization statistics change in a forward; other buffers (masks, caches)
+        # may be large and are left alone
+        norms = [m for m in model.modules() if isinstance(m, _NORMS)]
+        buffers = [(b, b.detach().clone()) for m in norms for b in m.buffers(recurse=False)]
         return cls(torch.get_rng_state(), device_rng, buffers)
 
     def restore(self, device: torch.device) -> None:
@@ -116,6 +120,9 @@ class Snapshot:
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
+
+
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 class MicroBatches:
