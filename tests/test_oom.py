@@ -175,7 +175,7 @@ def test_two_processes_one_runs_out_at_step_3(
 
 def _digits(name: str, tmp_path: Path, batch: int, accumulate: int = 1, **more: Any) -> Any:
     """`paratrain train --recipe digits --strategy cpu` for 5 steps, in this process."""
-    rt = paratrain.Runtime("cpu", accumulate=accumulate, oom="auto")
+    rt = paratrain.Runtime("cpu", accumulate=accumulate, oom="auto", seed=0)
     cfg = TrainConfig(recipe="digits", strategy="cpu", epochs=1, batch_size=batch)
     cfg = dataclasses.replace(
         cfg.resolved(get_recipe), accumulate=accumulate, max_steps=5, progress=False
