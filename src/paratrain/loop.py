@@ -169,7 +169,8 @@ def train(
     clock = LoopClock(rt.device)
     watch = RunWatch(rt)  # throughput, MFU, peak memory
     profiler = StepProfiler(directory, cfg.profile, rt.rank)
-    contention = ContentionGuard(torch.get_num_threads())  # started late, other work: 1 thread
+    # other work that starts later: one thread (a count the user set is left alone)
+    contention = ContentionGuard(torch.get_num_threads() if rt.threads.source == "chosen" else 1)
     rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)

@@ -14,6 +14,7 @@ it runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -176,6 +177,9 @@ class Runtime:
         self.threads: ThreadChoice = choose_for(self.strategy.num_processes, threads)
         if self.strategy.num_processes == 1 or launched():  # before torch's pools start
             apply_here(self.threads)
+            # what this process has: OpenMP read the wait policy when torch was imported
+            policy = os.environ.get("OMP_WAIT_POLICY") or "default"
+            self.threads = dataclasses.replace(self.threads, wait_policy=policy)
         check_sync_batchnorm(self.strategy, sync_batchnorm)
         if activation_checkpointing and not self.strategy.allows_activation_checkpointing:
             raise UserError(
