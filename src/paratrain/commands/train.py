@@ -202,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
     # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
     # of a launcher that started every process with this command (torchrun).
     directory = _run_directory(args)
-    locks = directory is not None and nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
-    with run_lock.hold(directory) if locks and directory else contextlib.nullcontext():
+    mine = nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+    lock = run_lock.hold(directory) if mine and directory is not None else None
+    with lock or contextlib.nullcontext():
         if getattr(args, "resume", None) is not None:
             cfg = resume_config(args.resume, given_options(args))
         else:
