@@ -18,7 +18,7 @@ import pytest
 from conftest import subprocess_env
 from processes import alive, descendants, exposed, listening
 
-from paratrain import run_lock
+from paratrain import heartbeat, run_lock
 from paratrain.cli import main
 from paratrain.errors import UserError
 
@@ -124,3 +124,38 @@ def test_a_live_or_remote_owner_keeps_its_lock(
         assert json.loads((run / run_lock.LOCK).read_text())["pid"] == os.getpid()
     assert not (run / run_lock.LOCK).exists()
     assert "taking the lock over" in capsys.readouterr().err
+
+
+# The middle process starts a beating rank (no prctl: the fallback alone) and exits.
+_ORPHAN = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", '''
+import importlib.util, sys, time
+# heartbeat.py alone, without importing paratrain (and torch): quick to start
+spec = importlib.util.spec_from_file_location("heartbeat", sys.argv[1])
+heartbeat = sys.modules["heartbeat"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(heartbeat)
+heartbeat.arm(0)
+while True:
+    heartbeat.beat()
+    time.sleep(0.001)
+''', sys.argv[1]])
+beat = os.path.join(os.environ["PARATRAIN_HEARTBEAT_DIR"], "beat-rank0")
+while not os.path.exists(beat) and child.poll() is None:
+    pass  # once the rank knows its parent, leave it
+print(child.pid, flush=True)
+"""
+
+
+def test_the_heartbeat_stops_a_rank_whose_launcher_is_gone(tmp_path: Path) -> None:
+    """Where no kernel signal kills it (not Linux), a rank notices in its heartbeat."""
+    env = subprocess_env(PARATRAIN_HEARTBEAT_DIR=str(tmp_path))
+    middle = subprocess.run(
+        [sys.executable, "-c", _ORPHAN, heartbeat.__file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rank = int(middle.stdout.split()[0])
+    assert _until(lambda: not alive(rank), 60), "the orphaned rank trains on"

@@ -74,7 +74,8 @@ def verify(checkpoint: Path, name_step: int | None) -> dict[str, Any]:
     if manifest is None:
         raise Damaged(f"{checkpoint / MANIFEST} is missing")
     expected: dict[str, Any] = manifest["files"]
-    present = {p.name for p in checkpoint.iterdir()} - {MANIFEST}
+    # Hidden files are not ours to judge (Ray Tune keeps its .metadata.json in a copy).
+    present = {p.name for p in checkpoint.iterdir() if not p.name.startswith(".")} - {MANIFEST}
     extra = sorted(present - set(expected))
     if extra:
         raise Damaged(f"{checkpoint / extra[0]} is not in the manifest: an extra file")
