@@ -439,7 +439,15 @@ CASES: list[tuple[str, str, list[str]]] = [
             """,
             """
             import paratrain
+            def main(rt):
+                loader = rt.setup_loader(test_loader, evaluation=True)
+                correct = 0
+                for x, y in loader:
+                    correct += (model(x).argmax(1) == y).sum()
+                rt.print(rt.all_reduce(correct))
             rt = paratrain.Runtime(strategy="ddp")
+            if __name__ == "__main__":
+                rt.launch(main)
             loader = rt.setup_loader(test_loader, evaluation=True)
             correct = 0
             for x, y in loader:
@@ -692,6 +700,17 @@ SHAPES: dict[str, str] = {
             trainer.train(make_loader())
         if __name__ == "__main__":
             main()
+        """,
+    "paratrain evaluation loader: each sample once, but each process sums its share": """
+        import paratrain
+        def main(rt):
+            loader = rt.setup_loader(test_loader, evaluation=True)
+            correct = 0
+            for x, y in loader:
+                correct += (model(x).argmax(1) == y).sum()
+            rt.print("accuracy", correct / 10_000)  # expect: metric-without-reduce
+        if __name__ == "__main__":
+            paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(main)
         """,
 }
 

@@ -110,8 +110,8 @@ class Collectives:
 
 def sharded_loaders(script: Script) -> set[str]:
     """Names of loaders that give each process its own share of the data: built with a
-    DistributedSampler, or prepared by Accelerate/Fabric/paratrain (without
-    ``evaluation=True``, which paratrain makes count every sample once)."""
+    DistributedSampler, or prepared by Accelerate/Fabric/paratrain (``evaluation=True``
+    too: each sample once over all processes, so each process still sums a share)."""
     samplers = {
         name
         for call in script.calls(DISTRIBUTED_SAMPLER)
@@ -132,9 +132,6 @@ def sharded_loaders(script: Script) -> set[str]:
             found.update(n for t in parent.targets if (n := dotted(t)) is not None)
     for helper in SHARDING_HELPERS:
         for call in script.method_calls(helper):
-            evaluation = keyword(call, "evaluation")
-            if isinstance(evaluation, ast.Constant) and evaluation.value is True:
-                continue
             parent = script.parents.get(call)
             if not isinstance(parent, ast.Assign):
                 continue

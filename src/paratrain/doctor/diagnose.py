@@ -8,10 +8,17 @@ from paratrain.doctor import styles
 from paratrain.doctor.findings import Diagnosis
 from paratrain.doctor.rules import RULES
 from paratrain.doctor.script import Script
+from paratrain.errors import UserError
 
 
 def diagnose_script(script: Script) -> Diagnosis:
-    findings = sorted({f for rule in RULES for f in rule.run(script)})
+    try:
+        findings = sorted({f for rule in RULES for f in rule.run(script)})
+    except RecursionError:  # an expression Python parsed, but too deep to print back
+        raise UserError(
+            f"{script.path}: cannot read it: an expression is nested too deeply (split it into "
+            "several statements)"
+        ) from None
     return Diagnosis(script.path, styles.detect(script), findings)
 
 

@@ -100,11 +100,13 @@ def launcher_calls(script: Script) -> list[ast.Call]:
     """``mp.spawn(fn)``, ``horovod.run(fn)``, ``rt.launch(fn)`` of a paratrain Runtime."""
     runtimes = script.instances(RUNTIME)
     calls = [*script.calls(*SPAWN), *script.calls(*_RUNNERS)]
-    calls += [
-        c
-        for c in script.method_calls("launch")
-        if isinstance(c.func, ast.Attribute) and dotted(c.func.value) in runtimes
-    ]
+    for call in script.method_calls("launch"):
+        if not isinstance(call.func, ast.Attribute):
+            continue
+        owner = call.func.value  # rt.launch(main), or paratrain.Runtime(...).launch(main)
+        built = isinstance(owner, ast.Call) and script.full_name(owner.func) == RUNTIME
+        if dotted(owner) in runtimes or built:
+            calls.append(call)
     return calls
 
 
