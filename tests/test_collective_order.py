@@ -1,7 +1,7 @@
 """Processes that disagree about the next collective stop in seconds with one message.
 
-Devices: `ddp` on `cpu,cpu` (gloo, spawned by rt.launch, and under `paratrain run`); the
-message itself is checked in this process.
+Devices: `ddp` on `cpu,cpu` under `paratrain run`; the message itself is checked in this
+process. The guarded `rt.save` under rt.launch is tests/test_porting.py's ddp run.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import subprocess_env
-from torch import nn
 
-import paratrain
 from paratrain.collective_order import (
     CHECK_VARIABLE,
     END_OF_RUN,
@@ -25,7 +22,7 @@ from paratrain.collective_order import (
     check_seconds,
     disagreement,
 )
-from paratrain.errors import LaunchError, UserError
+from paratrain.errors import UserError
 
 CHECK = "3"  # seconds: the test waits this long, a user 50 by default
 
@@ -67,32 +64,6 @@ def test_the_check_time_is_read_from_the_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(CHECK_VARIABLE, "soon")
     with pytest.raises(UserError, match=CHECK_VARIABLE):
         check_seconds()
-
-
-def _guarded_save(rt: paratrain.Runtime, path: str) -> None:
-    """The half-port: the original script's rank guard kept around rt.save."""
-    model = nn.Linear(4, 1)
-    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for _ in range(2):
-        optimizer.zero_grad()
-        rt.backward(model(rt.to_device(torch.randn(4, 4))).sum())
-        optimizer.step()
-    if rt.rank == 0:
-        rt.save(path, {"model": model})
-
-
-def test_a_guarded_save_under_rt_launch_stops_with_one_message(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """ddp on cpu,cpu via rt.launch: rank 0 in rt.save, rank 1 at the end of the run."""
-    monkeypatch.setenv(CHECK_VARIABLE, CHECK)
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
-    with pytest.raises(LaunchError) as caught:
-        rt.launch(_guarded_save, str(tmp_path / "ckpt.pt"))
-    message = str(caught.value)
-    assert "rank 0 has waited" in message and "in rt.save (collective #" in message
-    assert "which rank 1 did not reach: rank 1 has finished" in message
-    assert "Traceback" not in message and "gloo" not in message.lower()
 
 
 DDP_CPU = ("--strategy", "ddp", "--devices", "cpu,cpu")

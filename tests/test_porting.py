@@ -8,6 +8,7 @@ and the RandomSampler permutation. Devices: `--strategy cpu` in this process; `d
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain.collective_order import CHECK_VARIABLE
+from paratrain.errors import LaunchError
 
 SAMPLES, BATCH, EPOCHS = 44, 8, 2
 TEST_SAMPLES = 21  # the last evaluation batch (5) splits unevenly
@@ -116,7 +119,9 @@ def _correct(model: nn.Module, loader: Any) -> int:
     return correct
 
 
-def _ddp_port(rt: paratrain.Runtime) -> dict[str, Any]:
+def _ddp_port(rt: paratrain.Runtime, folder: str) -> None:
+    """The port under ddp; its results go to a file, for it ends as a half-port does: with
+    the original's rank guard kept around rt.save, which stops every process."""
     weights = _ported(rt, 3, dropout=0.0)
     model = _model(0.0)
     model.load_state_dict(weights)
@@ -125,18 +130,28 @@ def _ddp_port(rt: paratrain.Runtime) -> dict[str, Any]:
     loader = rt.setup_loader(DataLoader(_test_set(), batch_size=BATCH), evaluation=True)
     correct = rt.all_reduce(torch.tensor(_correct(model, loader))).item()
     rt.print("as the guide says:", correct)
-    return {"weights": weights, "correct": correct}
+    if rt.rank == 0:
+        torch.save({"weights": weights, "correct": correct}, Path(folder) / "results.pt")
+        rt.save(Path(folder) / "checkpoint.pt", {"model": model})  # only rank 0 reaches it
 
 
 def test_ddp_on_two_processes_matches_the_original_without_dropout(
-    capfd: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """ddp on cpu,cpu: rank 0's permutation, split in two, is the original's batches; the
-    evaluation ported as the guide says counts what one process counts, and the literal
-    port's partial count is announced before it is printed."""
+    evaluation ported as the guide says counts what one process counts, the literal port's
+    partial count is announced before it is printed, and a save kept under `if rank == 0:`
+    stops both processes with one message naming rt.save (within the check's time)."""
     original = _original(3, dropout=0.0)
-    ported = paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(_ddp_port)
-    assert ported is not None
+    monkeypatch.setenv(CHECK_VARIABLE, "3")  # seconds: 50 by default
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    with pytest.raises(LaunchError) as caught:
+        rt.launch(_ddp_port, str(tmp_path))
+    message = str(caught.value)
+    assert "rank 0 has waited" in message and "in rt.save (collective #" in message
+    assert "which rank 1 did not reach: rank 1 has finished" in message
+    assert "Traceback" not in message and "gloo" not in message.lower()
+    ported = torch.load(tmp_path / "results.pt")
     for key, value in original.items():
         torch.testing.assert_close(ported["weights"][key], value, rtol=0, atol=1e-6)
     model = _model(0.0)

@@ -19,7 +19,8 @@ strict``) raises instead. When they agree, one line gives the difference and wha
 cost next to the compile time.
 
 Not checked: a forward that draws random numbers (dropout): the compiled and eager models
-draw different masks, so their gradients differ by design; the line says so.
+draw different masks, so their gradients differ by design; the line says so. Nor ``fsdp``,
+whose sharded parameters' hooks would run in the eager pass too.
 ``PARATRAIN_TEST_COMPILE_FAULT=zero-grads`` zeroes the compiled gradients of the first
 parameter before the comparison, as the inductor bug does (a test hook).
 """
@@ -171,6 +172,10 @@ class CompileCheck:
             ]
         del self._inputs, self._outputs, self._output_grads
         return eager
+
+    def skip(self, reason: str) -> None:
+        """No check for this run; one line says why."""
+        self._finish("not checked", reason)
 
     def _finish(self, state: str, line: str) -> None:
         self.state = state
