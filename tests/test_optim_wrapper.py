@@ -100,3 +100,18 @@ def test_step_passes_the_closure_to_the_optimizer() -> None:
 
     assert isinstance(optimizer.step(closure), torch.Tensor)
     assert calls == [1]
+
+
+def test_step_then_zero_grad_keeps_the_first_micro_batches_gradients() -> None:
+    """Under ``accumulate=2`` a loop that calls ``step()`` then ``zero_grad()`` after every
+    micro-batch must not lose the first micro-batch's gradients."""
+    model = nn.Linear(2, 1)
+    accumulation = Accumulation(steps=2)
+    optimizer = RuntimeOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), accumulation
+    )
+    model(torch.ones(1, 2)).sum().backward()
+    accumulation.micro_batch_done()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert model.weight.grad is not None and torch.equal(model.weight.grad, torch.ones(1, 2))
