@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.optim import Accumulation, RuntimeOptimizer
+from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.precision import Precision
 
 CPU = torch.device("cpu")
@@ -115,3 +115,22 @@ def test_step_then_zero_grad_keeps_the_first_micro_batches_gradients() -> None:
     optimizer.step()
     optimizer.zero_grad()
     assert model.weight.grad is not None and torch.equal(model.weight.grad, torch.ones(1, 2))
+    for _ in range(2):  # the group's last micro-batch applies, then gradients are cleared
+        model(torch.ones(1, 2)).sum().backward()
+        accumulation.micro_batch_done()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.weight.grad is None
+        model(torch.ones(1, 2)).sum().backward()  # the next group's first micro-batch
+        accumulation.micro_batch_done()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.weight.grad is not None
+
+
+def test_moving_optimizer_state_keeps_what_is_not_a_tensor() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.state[model.weight] = {"count": 3, "buffer": torch.ones(2)}
+    move_optimizer_state(optimizer, CPU)
+    assert optimizer.state[model.weight]["count"] == 3
