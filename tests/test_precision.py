@@ -185,7 +185,7 @@ def test_accelerator_device_types_have_autocast_and_fp16_on_cuda_a_scaler() -> N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available. Disabling"
         fp16 = Precision("fp16", torch.device("cuda"))
-    assert isinstance(fp16.scaler, torch.amp.GradScaler)
+    assert isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.scaler._device == "cuda"
     assert Precision("fp16", torch.device("mps")).scaler is None
     assert Precision("32", torch.device("cuda")).scaler is None
 
