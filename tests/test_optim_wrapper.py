@@ -134,3 +134,4 @@ def test_moving_optimizer_state_keeps_what_is_not_a_tensor() -> None:
     optimizer.state[model.weight] = {"count": 3, "buffer": torch.ones(2)}
     move_optimizer_state(optimizer, CPU)
     assert optimizer.state[model.weight]["count"] == 3
+    assert torch.equal(optimizer.state[model.weight]["buffer"], torch.ones(2))
