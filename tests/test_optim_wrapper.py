@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.optim import Accumulation, RuntimeOptimizer
+from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 from paratrain.precision import Precision
 
 CPU = torch.device("cpu")
@@ -55,3 +55,83 @@ def test_zero_grad_keeps_or_drops_the_gradient_tensors_as_asked() -> None:
     optimizer.step()
     optimizer.zero_grad()
     assert model.weight.grad is None
+
+
+def test_accumulation_applies_every_nth_micro_batch_and_at_the_epoch_end() -> None:
+    three = Accumulation(steps=3)
+    seen = []
+    for _ in range(3):
+        last = three.next_is_last()
+        three.micro_batch_done()
+        seen.append((last, three.sync_gradients, three.micro_steps))
+    assert seen == [(False, False, 1), (False, False, 2), (True, True, 3)]
+    three.applied()
+    assert (three.micro_steps, three.sync_gradients) == (0, False)
+    three.at_last_batch = True  # the epoch's last batch ends an unfinished group
+    assert three.next_is_last()
+    three.micro_batch_done()
+    assert three.sync_gradients
+    two = Accumulation(steps=2)
+    two.micro_batch_done()
+    assert not two.sync_gradients
+    two.micro_batch_done()
+    assert two.sync_gradients
+    one = Accumulation(steps=1)
+    for _ in range(2):
+        assert one.next_is_last()
+        one.micro_batch_done()
+        assert (one.micro_steps, one.sync_gradients) == (0, True)
+    one.applied()
+    assert (one.micro_steps, one.sync_gradients) == (0, True)
+
+
+def test_step_passes_the_closure_to_the_optimizer() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = RuntimeOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), Accumulation()
+    )
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    assert isinstance(optimizer.step(closure), torch.Tensor)
+    assert calls == [1]
+
+
+def test_step_then_zero_grad_keeps_the_first_micro_batches_gradients() -> None:
+    """Under ``accumulate=2`` a loop that calls ``step()`` then ``zero_grad()`` after every
+    micro-batch must not lose the first micro-batch's gradients."""
+    model = nn.Linear(2, 1)
+    accumulation = Accumulation(steps=2)
+    optimizer = RuntimeOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), accumulation
+    )
+    model(torch.ones(1, 2)).sum().backward()
+    accumulation.micro_batch_done()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert model.weight.grad is not None and torch.equal(model.weight.grad, torch.ones(1, 2))
+    for _ in range(2):  # the group's last micro-batch applies, then gradients are cleared
+        model(torch.ones(1, 2)).sum().backward()
+        accumulation.micro_batch_done()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.weight.grad is None
+        model(torch.ones(1, 2)).sum().backward()  # the next group's first micro-batch
+        accumulation.micro_batch_done()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.weight.grad is not None
+
+
+def test_moving_optimizer_state_keeps_what_is_not_a_tensor() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.state[model.weight] = {"count": 3, "buffer": torch.ones(2)}
+    move_optimizer_state(optimizer, CPU)
+    assert optimizer.state[model.weight]["count"] == 3
+    assert torch.equal(optimizer.state[model.weight]["buffer"], torch.ones(2))

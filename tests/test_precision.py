@@ -185,7 +185,7 @@ def test_accelerator_device_types_have_autocast_and_fp16_on_cuda_a_scaler() -> N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available. Disabling"
         fp16 = Precision("fp16", torch.device("cuda"))
-    assert isinstance(fp16.scaler, torch.amp.GradScaler)
+    assert isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.scaler._device == "cuda"
     assert Precision("fp16", torch.device("mps")).scaler is None
     assert Precision("32", torch.device("cuda")).scaler is None
 
@@ -206,7 +206,12 @@ def test_the_cpu_policies_dtypes_and_scaler() -> None:
     with Precision("32", CPU).autocast():
         assert not torch.is_autocast_enabled("cpu")
     model = nn.Linear(2, 2)
-    assert Precision("32", CPU).wrap_forward(model).forward == model.forward
+    forward = model.forward
+    assert Precision("32", CPU).wrap_forward(model).forward == forward  # untouched
+    seen: list[torch.dtype] = []
+    model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    out = Precision("bf16", CPU).wrap_forward(nn.Sequential(model))(torch.ones(1, 2))
+    assert (seen, out.dtype) == ([torch.bfloat16], torch.float32)
 
 
 class _Pair(NamedTuple):
