@@ -131,7 +131,7 @@ def test_the_miss_classes_are_found_where_they_occur() -> None:
 
 #: what each README "before" example gets wrong (the "after" ones must be clean: test_readme)
 README_BEFORE = {
-    "plain": ["loader-pin-memory"],
+    "plain": ["loader-pin-memory", "loader-pin-memory"],  # its training and test loaders
     "dataparallel": ["loader-pin-memory"],
     "ddp": ["loader-pin-memory", "fixed-port"],
     "accelerate": [],
