@@ -79,6 +79,18 @@ def test_digits_default_run_writes_the_output_contract(
     assert config["versions"]["torch"] == torch.__version__
 
 
+def test_without_out_a_run_goes_to_runs_recipe_and_time(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`paratrain train` alone (the Quick start) writes runs/digits-<time>: the default
+    recipe's name, not "None"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--strategy", "cpu", "--max-steps", "2", "--no-progress"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("digits-") and (run / "model.safetensors").is_file()
+    assert str(Path("runs") / run.name) in capsys.readouterr().out
+
+
 def test_same_seed_gives_bit_identical_weights(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

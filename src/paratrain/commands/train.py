@@ -310,5 +310,5 @@ def _run_directory(args: argparse.Namespace) -> Path | None:
         run = given.parent.parent if given.parent.name == CHECKPOINTS else given
         return run if run.is_dir() else None
     if args.out is None:
-        args.out = str(rundir.default_out(args.recipe))
+        args.out = str(rundir.default_out(args.recipe or DEFAULT_RECIPE))
     return Path(args.out)
