@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain import faults, preemption
+from paratrain import faults, preemption, run_lock
 from paratrain.autoresume import differences, set_aside
 from paratrain.cli import main
 from paratrain.config import TrainConfig
@@ -119,6 +119,18 @@ def test_fresh_moves_the_old_run_aside(
     assert set_aside(str(out)) is None  # no run there: nothing to move
     assert main(["train", "--resume", str(moved), "--fresh"]) == 2
     assert "drop one" in capsys.readouterr().err
+
+
+def test_fresh_leaves_this_commands_lock_on_out(tmp_path: Path) -> None:
+    """The lock --fresh holds while it moves the old run belongs to the new run: it stays on
+    --out, and the old run's folder is left without it."""
+    out = tmp_path / "run"
+    with run_lock.hold(out):
+        (out / "config.json").write_text('{"status": "running", "config": {}}')
+        moved = set_aside(str(out))
+        assert moved is not None and not (moved / run_lock.LOCK).exists()
+        assert (out / run_lock.LOCK).is_file() and (moved / "config.json").is_file()
+    assert not (out / run_lock.LOCK).exists()  # released as usual
 
 
 def test_changeable_options_are_not_differences() -> None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paratrain import rundir
+from paratrain import run_lock, rundir
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 from paratrain.precision import normalize_precision
@@ -114,7 +114,8 @@ def _trained_out(cfg: TrainConfig, checkpoint: Path) -> bool:
 
 def set_aside(out: str | None) -> Path | None:
     """``--fresh``: rename a run directory to ``OUT.before-<time>``; the new name, or None
-    when ``out`` holds no run."""
+    when ``out`` holds no run. The lock of the command that moves it stays on ``OUT``: it
+    is this command's, not the old run's."""
     if out is None:
         return None
     directory = Path(out)
@@ -127,5 +128,8 @@ def set_aside(out: str | None) -> Path | None:
         suffix += 1
         target = directory.with_name(f"{directory.name}.before-{stamp}-{suffix}")
     os.rename(directory, target)
+    if (target / run_lock.LOCK).exists():
+        directory.mkdir()
+        os.replace(target / run_lock.LOCK, directory / run_lock.LOCK)
     _note(f"--fresh: the previous run in {directory} was moved to {target}")
     return target

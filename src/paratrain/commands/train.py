@@ -279,7 +279,7 @@ def _run_locked(
 ) -> int:
     if cfg.resume_from is None and getattr(args, "fresh", False):
         if _sets_up_out(nodes):
-            _set_aside_keeping_the_lock(cfg.out)
+            set_aside(cfg.out)
     elif cfg.resume_from is None:
         planned = plan(cfg, given_options(args))
         if planned is None:
@@ -292,14 +292,6 @@ def _run_locked(
     except Stopped as stop:
         requeue_on_stop(args, tasks, stop)
         raise
-
-
-def _set_aside_keeping_the_lock(out: str | None) -> None:
-    """``--fresh``: move the previous run aside; the lock this command holds stays on --out."""
-    moved = set_aside(out)
-    if moved is not None and out is not None and (moved / run_lock.LOCK).exists():
-        Path(out).mkdir()
-        os.replace(moved / run_lock.LOCK, Path(out) / run_lock.LOCK)
 
 
 def _run_directory(args: argparse.Namespace) -> Path | None:
