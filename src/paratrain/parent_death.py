@@ -33,3 +33,14 @@ def die_with_parent() -> bool:
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
     return armed
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.errors import UserError
+from paratrain.parent_death import process_exists
 
 LOCK = ".paratrain-lock"
 
@@ -129,13 +130,7 @@ def _alive(owner: dict[str, Any]) -> bool:
         return bool(owner.get("host"))
     if not isinstance(pid, int) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _zombie(pid)
+    return process_exists(pid) and not _zombie(pid)
 
 
 def _zombie(pid: int) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from paratrain.errors import UserError
 from paratrain.heartbeat import Beat, read_beats, stack_file
+from paratrain.parent_death import process_exists
 
 TIMEOUT_VARIABLE = "PARATRAIN_HANG_TIMEOUT"
 #: seconds; well below the 1800 s collective timeout, above a slow first step
@@ -48,16 +49,6 @@ def hang_timeout() -> float | None:
             f"{TIMEOUT_VARIABLE}={raw!r} (--hang-timeout) must be a number of seconds, 0 for off"
         )
     return seconds or None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -87,7 +78,7 @@ class Watchdog:
 
     def _living(self) -> list[Beat]:
         # Files of processes that are gone (an earlier attempt of an elastic run) are stale.
-        return [b for b in read_beats(self.directory) if _alive(b.pid)]
+        return [b for b in read_beats(self.directory) if process_exists(b.pid)]
 
     def check(self) -> Hang | None:
         """If a watched rank is stuck: dump its stack, kill every rank, describe it."""
