@@ -193,7 +193,10 @@ class ContentionGuard:
 
         torch.set_num_threads(1)
         self._delay, before, self.threads = None, self.threads, 1
+        # One thread sums in another order: the weights' last bits now differ from a run
+        # that kept its threads. Said here, so that nobody takes it for a different model.
         return (
             f"other work keeps this machine's cores busy (threads waited {waited:.0%} of the "
-            f"time for one): intra-op threads {before} -> 1"
+            f"time for one; the weights' last bits will differ from a run at {before} threads, "
+            f"--threads N keeps the count fixed): intra-op threads {before} -> 1"
         )
