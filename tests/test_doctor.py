@@ -778,7 +778,7 @@ def test_style_names_the_migration(source: str, style: str) -> None:
 def test_cli_exit_codes_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", str(SCRIPTS / "ddp_clean.py")]) == 0
     out = capsys.readouterr().out
-    assert "no findings" in out and '"Porting a script > From DistributedDataParallel"' in out
+    assert "no findings" in out and 'docs/porting.md, "From DistributedDataParallel"' in out
 
     assert main(["doctor", str(SCRIPTS / "seed004_ddp.py")]) == 1
     out = capsys.readouterr().out
@@ -789,7 +789,7 @@ def test_cli_exit_codes_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixt
     assert report["findings"] == 1
     (script,) = report["scripts"]
     assert script["style"] == "dataparallel"
-    assert script["migration"] == 'README.md, "Porting a script > From DataParallel"'
+    assert script["migration"] == 'docs/porting.md, "From DataParallel"'
     assert script["findings"][0].keys() == {"file", "line", "rule", "message", "fix"}
 
 

@@ -18,7 +18,7 @@ from paratrain.doctor import RULES, diagnose, diagnose_source
 from paratrain.doctor.explain import explained
 
 REAL = Path(__file__).parent / "doctor_scripts" / "real"
-README = Path(__file__).resolve().parents[1] / "README.md"
+PORTING = Path(__file__).resolve().parents[1] / "docs" / "porting.md"
 
 PER_RANK = "every rank prints the same line (nothing names the rank), N copies"
 #: file -> [(line, rule, true?, why)]
@@ -129,8 +129,9 @@ def test_the_miss_classes_are_found_where_they_occur() -> None:
     } <= rules
 
 
-#: what each README "before" example gets wrong (the "after" ones must be clean: test_readme)
-README_BEFORE = {
+#: what each "before" example of docs/porting.md gets wrong (the "after" ones must be clean:
+#: test_readme)
+PORTING_BEFORE = {
     "plain": ["loader-pin-memory", "loader-pin-memory"],  # its training and test loaders
     "dataparallel": ["loader-pin-memory"],
     "ddp": ["loader-pin-memory", "fixed-port"],
@@ -140,14 +141,14 @@ README_BEFORE = {
 }
 
 
-def test_doctor_on_the_readme_before_examples() -> None:
+def test_doctor_on_the_porting_before_examples() -> None:
     block = re.compile(r"<!-- readme-test: [^>]*?doctor=(\w+) -->\n```python\n(.*?)```", re.DOTALL)
     said = {
         style: [f.rule for f in diagnose_source(code).findings]
-        for style, code in block.findall(README.read_text("utf-8"))
+        for style, code in block.findall(PORTING.read_text("utf-8"))
         if style != "paratrain"
     }
-    assert said == README_BEFORE
+    assert said == PORTING_BEFORE
 
 
 ODD_FILES: list[tuple[str, bytes, str]] = [

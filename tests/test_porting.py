@@ -1,4 +1,4 @@
-"""A plain training loop ported as README's "Porting a script" says computes the same model.
+"""A plain training loop ported as docs/porting.md says computes the same model.
 
 `Runtime()` seeds nothing (the script's own `torch.manual_seed` stands) and its loaders draw
 from the random generators exactly as torch's DataLoader does: the per-`iter()` base seed

@@ -1,6 +1,7 @@
-"""The README is the user's manual: its Python examples must run.
+"""The README and the manual in ``docs/`` are what users copy: their Python examples must run.
 
-Every ```python block runs (``exec``), unless the comment line just above it says otherwise:
+Every ```python block of README.md and of docs/**/*.md runs (``exec``), unless the comment
+line just above it says otherwise:
 
     <!-- readme-test: run; doctor=STYLE -->        runs; `paratrain doctor` must recognise
                                                    STYLE, and find nothing in a paratrain
@@ -30,9 +31,16 @@ from conftest import subprocess_env
 
 from paratrain.doctor import diagnose_source
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+#: the README, then the manual's pages in a fixed order
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- readme-test: ([^>]*?) -->\n)?```python\n(.*?)```", re.DOTALL)
-BLOCKS = [(m.group(1) or "run", m.group(2)) for m in BLOCK.finditer(README.read_text("utf-8"))]
+#: (page, marker, code) of every Python block
+BLOCKS = [
+    (page.relative_to(ROOT).as_posix(), m.group(1) or "run", m.group(2))
+    for page in PAGES
+    for m in BLOCK.finditer(page.read_text("utf-8"))
+]
 #: the "before" examples that cannot run here, by the style doctor must recognise in them
 PARSE_ONLY = ["ddp", "accelerate", "fabric", "horovod"]
 
@@ -46,13 +54,19 @@ def _mode(marker: str) -> tuple[str, str | None]:
     return mode, style.group(1) if style else None
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def _name(index: int) -> str:
+    """``docs/porting.md block 3``: the page and the block's number on it."""
+    page = BLOCKS[index][0]
+    return f"{page} block {[p for p, _, _ in BLOCKS[:index]].count(page)}"
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=_name)
 def test_readme_python_example_runs(index: int, tmp_path: Path) -> None:
-    marker, code = BLOCKS[index]
+    _, marker, code = BLOCKS[index]
     mode, style = _mode(marker)
-    compiled = compile(code, f"README.md block {index}", "exec")
+    compiled = compile(code, _name(index), "exec")
     if style is not None:
-        diagnosis = diagnose_source(code, f"README.md block {index}")
+        diagnosis = diagnose_source(code, _name(index))
         assert diagnosis.style.name == style
         if style == "paratrain":
             assert diagnosis.findings == []
@@ -72,12 +86,12 @@ def test_readme_python_example_runs(index: int, tmp_path: Path) -> None:
 
 
 def test_only_the_foreign_before_examples_are_parse_only() -> None:
-    parse_only = [_mode(marker) for marker, _ in BLOCKS if marker.startswith("parse-only")]
+    parse_only = [_mode(marker) for _, marker, _ in BLOCKS if marker.startswith("parse-only")]
     assert [style for _, style in parse_only] == PARSE_ONLY
 
 
 def test_every_migration_has_a_checked_before_and_after() -> None:
-    styles = [_mode(marker)[1] for marker, _ in BLOCKS]
+    styles = [_mode(marker)[1] for _, marker, _ in BLOCKS]
     for source in ("plain", "dataparallel", "ddp", "accelerate", "fabric", "horovod"):
         assert source in styles
         assert styles[styles.index(source) + 1] == "paratrain", f"no after-example for {source}"

@@ -139,7 +139,7 @@ def _sgd(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
 register_recipe(
     Recipe(
         name="linear",
-        description="nn.Linear(10, 1), MSE, SGD lr 0.01 on seeded random data (seed 000)",
+        description="nn.Linear(10, 1), MSE, SGD lr 0.01 on seeded random data",
         epochs=20,
         batch_size=10,
         lr=0.01,
@@ -182,7 +182,7 @@ def _sgd_resnet(params: Params, cfg: RecipeSettings) -> torch.optim.Optimizer:
 register_recipe(
     Recipe(
         name="cifar10-resnet18",
-        description="ResNet-18 on CIFAR-10 (--data-dir or --synthetic N), SGD (seed 004)",
+        description="ResNet-18 on CIFAR-10 (--data-dir or --synthetic N), SGD",
         epochs=3,
         batch_size=256,
         lr=0.01,

@@ -396,7 +396,7 @@ class Runtime:
                 "part of the data, and a last batch smaller than the number of processes is "
                 "dropped. For evaluation, set it up with rt.setup_loader(loader, "
                 "evaluation=True) (every sample exactly once) and sum the counts with "
-                "rt.all_reduce before printing them (README: Porting a script)",
+                "rt.all_reduce before printing them (docs/porting.md)",
             )
 
     def _tell(self, key: str, message: str) -> None:
@@ -608,7 +608,7 @@ class Runtime:
                 f"rt.print after an evaluation loop with no rt.all_reduce since: what it "
                 f"prints was counted by the main process alone, on about 1/{shards} of the "
                 "data. Sum per-process counts first, e.g. correct = "
-                "rt.all_reduce(torch.tensor(correct)).item() (README: Porting a script)",
+                "rt.all_reduce(torch.tensor(correct)).item() (docs/porting.md)",
             )
         if self.is_main:
             print(*args, **kwargs)

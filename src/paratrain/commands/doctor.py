@@ -38,9 +38,7 @@ def _text(diagnosis: Diagnosis) -> str:
     count = len(diagnosis.findings)
     summary = f"{count} finding{'s' if count != 1 else ''}" if count else "no findings"
     style = diagnosis.style
-    lines.append(
-        f'{diagnosis.path}: {summary}; {style.description}: see README.md, "{style.section}"'
-    )
+    lines.append(f"{diagnosis.path}: {summary}; {style.description}: see {style.section}")
     return "\n".join(lines)
 
 

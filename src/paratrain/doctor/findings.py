@@ -25,7 +25,8 @@ class Finding:
 
 @dataclass(frozen=True)
 class Style:
-    """What kind of training script this is, and the README section that ports it."""
+    """What kind of training script this is, and where the manual ports it: a page of
+    ``docs/``, and the section's title in quotes where the page has several."""
 
     name: str
     description: str
@@ -42,6 +43,6 @@ class Diagnosis:
         return {
             "path": self.path,
             "style": self.style.name,
-            "migration": f'README.md, "{self.style.section}"',
+            "migration": self.style.section,
             "findings": [f.to_dict() for f in self.findings],
         }

@@ -1,4 +1,4 @@
-"""Which kind of training script this is, and which README migration ports it."""
+"""Which kind of training script this is, and which page of the manual ports it."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ from paratrain.doctor.findings import Style
 from paratrain.doctor.names import DATA_PARALLEL, DDP, INIT_PROCESS_GROUP, SPAWN
 from paratrain.doctor.script import Script
 
-PORTING = "Porting a script"
+PORTING = "docs/porting.md"
 
-PARATRAIN = Style("paratrain", "a paratrain script", "Your own loop")
-ACCELERATE = Style("accelerate", "a Hugging Face Accelerate script", f"{PORTING} > From Accelerate")
-FABRIC = Style("fabric", "a Lightning Fabric script", f"{PORTING} > From Lightning Fabric")
-HOROVOD = Style("horovod", "a Horovod script", f"{PORTING} > From Horovod")
-DDP_SCRIPT = Style(
-    "ddp", "a DistributedDataParallel script", f"{PORTING} > From DistributedDataParallel"
+PARATRAIN = Style("paratrain", "a paratrain script", "docs/your-own-loop.md")
+ACCELERATE = Style(
+    "accelerate", "a Hugging Face Accelerate script", f'{PORTING}, "From Accelerate"'
 )
-DATAPARALLEL = Style("dataparallel", "an nn.DataParallel script", f"{PORTING} > From DataParallel")
-PLAIN = Style("plain", "a plain PyTorch loop", f"{PORTING} > From a plain loop")
+FABRIC = Style("fabric", "a Lightning Fabric script", f'{PORTING}, "From Lightning Fabric"')
+HOROVOD = Style("horovod", "a Horovod script", f'{PORTING}, "From Horovod"')
+DDP_SCRIPT = Style(
+    "ddp", "a DistributedDataParallel script", f'{PORTING}, "From DistributedDataParallel"'
+)
+DATAPARALLEL = Style("dataparallel", "an nn.DataParallel script", f'{PORTING}, "From DataParallel"')
+PLAIN = Style("plain", "a plain PyTorch loop", f'{PORTING}, "From a plain loop"')
 
 
 def detect(script: Script) -> Style:
