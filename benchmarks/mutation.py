@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCRATCH = REPO / ".mutation"
-COPIED = ("src", "tests", "pyproject.toml", "README.md", "ARCHITECTURE.md")
+COPIED = ("src", "tests", "pyproject.toml", "README.md", "docs", "ARCHITECTURE.md")
 
 #: name -> (the source files mutated, the test files run against them); smallest and
 #: highest-value first
