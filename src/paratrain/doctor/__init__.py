@@ -2,7 +2,7 @@
 
 The script is parsed with ``ast`` and never run. Each rule (``doctor.rules``, one module per
 family) reports file, line, what is wrong and the fix; the script's style (plain loop,
-DataParallel, DDP, Accelerate, Fabric, Horovod, paratrain) names the README migration.
+DataParallel, DDP, Accelerate, Fabric, Horovod, paratrain) names the page of docs/ that ports it.
 Rules prefer silence to a guess: a finding must be there.
 """
 
