@@ -9,6 +9,8 @@ behaviour carry a marker and are skipped where the device is absent: ``cuda`` (o
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import signal
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
+from paratrain.cli import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
 from paratrain.models import DigitsCNN
 
@@ -139,9 +142,11 @@ def assert_stopped_and_resumed_run_is_bit_identical(
     ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
     run = load_file(str(tmp_path / "run" / "model.safetensors"))
     assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)
-    # the checkpoint is plain: one process reads it like any other
-    inspect = paratrain_cli("ckpt", "inspect", "run/checkpoints/step-000012")
-    assert inspect.returncode == 0 and strategy in inspect.stdout
+    # the checkpoint is plain: one process (this one) reads it like any other
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        code = main(["ckpt", "inspect", str(tmp_path / "run/checkpoints/step-000012")])
+    assert code == 0 and strategy in shown.getvalue()
     digits = DigitsCNN()
     paratrain.load_weights(digits, tmp_path / "run" / "checkpoints" / "step-000012")
     optimizer = torch.optim.SGD(digits.parameters(), lr=0.1, momentum=0.9)
