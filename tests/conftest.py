@@ -117,6 +117,24 @@ def paratrain_cli(tmp_path: Path) -> CLI:
     return run
 
 
+@pytest.fixture(scope="session")
+def digits_on_one_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The weights of ``paratrain train`` (digits, default seed) after 50 steps on one CPU
+    process, which every layout must reach: run once for the session (test_equivalence,
+    test_resilience). Read only."""
+    out = tmp_path_factory.mktemp("digits-on-one-cpu") / "run"
+    args = ["train", "--recipe", "digits", "--strategy", "cpu", "--max-steps", "50"]
+    result = subprocess.run(
+        [sys.executable, "-m", "paratrain", *args, "--no-progress", "--out", str(out)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_file(str(out / "model.safetensors"))
+
+
 def assert_stopped_and_resumed_run_is_bit_identical(
     paratrain_cli: CLI, tmp_path: Path, strategy: str
 ) -> None:
