@@ -9,6 +9,8 @@ behaviour carry a marker and are skipped where the device is absent: ``cuda`` (o
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import signal
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
+from paratrain.cli import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
 from paratrain.models import DigitsCNN
 
@@ -114,6 +117,24 @@ def paratrain_cli(tmp_path: Path) -> CLI:
     return run
 
 
+@pytest.fixture(scope="session")
+def digits_on_one_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The weights of ``paratrain train`` (digits, default seed) after 50 steps on one CPU
+    process, which every layout must reach: run once for the session (test_equivalence,
+    test_resilience). Read only."""
+    out = tmp_path_factory.mktemp("digits-on-one-cpu") / "run"
+    args = ["train", "--recipe", "digits", "--strategy", "cpu", "--max-steps", "50"]
+    result = subprocess.run(
+        [sys.executable, "-m", "paratrain", *args, "--no-progress", "--out", str(out)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_file(str(out / "model.safetensors"))
+
+
 def assert_stopped_and_resumed_run_is_bit_identical(
     paratrain_cli: CLI, tmp_path: Path, strategy: str
 ) -> None:
@@ -139,9 +160,11 @@ def assert_stopped_and_resumed_run_is_bit_identical(
     ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
     run = load_file(str(tmp_path / "run" / "model.safetensors"))
     assert ref.keys() == run.keys() and all(torch.equal(ref[k], run[k]) for k in ref)
-    # the checkpoint is plain: one process reads it like any other
-    inspect = paratrain_cli("ckpt", "inspect", "run/checkpoints/step-000012")
-    assert inspect.returncode == 0 and strategy in inspect.stdout
+    # the checkpoint is plain: one process (this one) reads it like any other
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        code = main(["ckpt", "inspect", str(tmp_path / "run/checkpoints/step-000012")])
+    assert code == 0 and strategy in shown.getvalue()
     digits = DigitsCNN()
     paratrain.load_weights(digits, tmp_path / "run" / "checkpoints" / "step-000012")
     optimizer = torch.optim.SGD(digits.parameters(), lr=0.1, momentum=0.9)

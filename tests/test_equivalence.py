@@ -56,10 +56,9 @@ def train(out: Path, strategy: str, devices: str | None) -> tuple[dict[str, torc
     return load_file(str(out / "model.safetensors")), result.stdout
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    weights, _ = train(tmp_path_factory.mktemp("cpu") / "run", "cpu", None)
-    return weights
+@pytest.fixture
+def reference(digits_on_one_cpu: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return digits_on_one_cpu  # the same command as train(..., "cpu", None), run once
 
 
 @pytest.mark.parametrize(("strategy", "devices"), LAYOUTS)

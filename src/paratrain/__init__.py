@@ -2,19 +2,63 @@
 
 from __future__ import annotations
 
-from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from paratrain.errors import PlacementError, UserError
-from paratrain.export import load_quantized
-from paratrain.runtime import Runtime, RuntimeConfig
-from paratrain.strategies import strategy_names
-from paratrain.tensorboard_logger import TensorBoardLogger
 from paratrain.version import __version__
+
+if TYPE_CHECKING:
+    from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
+    from paratrain.export import load_quantized
+    from paratrain.runtime import Runtime, RuntimeConfig
+    from paratrain.tensorboard_logger import TensorBoardLogger
+
+#: the public names that need torch, and where each lives: imported on first use, so that
+#: `import paratrain` and `paratrain --help` start without loading torch
+_LAZY = {
+    "LoadReport": "paratrain.checkpoint",
+    "WeightsMismatchError": "paratrain.checkpoint",
+    "load_weights": "paratrain.checkpoint",
+    "load_quantized": "paratrain.export",
+    "Runtime": "paratrain.runtime",
+    "RuntimeConfig": "paratrain.runtime",
+    "TensorBoardLogger": "paratrain.tensorboard_logger",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def strategies() -> list[str]:
     """The registered strategy names, ``auto`` first."""
+    from paratrain.strategies import strategy_names
+
     return strategy_names()
 
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: object) -> None:
+        # Importing the subpackage paratrain.strategies binds its name here; the name stays
+        # the function strategies() (the subpackage is in sys.modules), as it always was.
+        if name == "strategies" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "LoadReport",

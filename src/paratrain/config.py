@@ -6,18 +6,16 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paratrain.batching import check_batch_size_per
-from paratrain.data_paths import check_data_path
 from paratrain.errors import UserError
-from paratrain.oom import check_oom_mode
-from paratrain.precision import normalize_precision
-from paratrain.runtime import RuntimeConfig
-from paratrain.speed import SpeedOptions, check_speed
-from paratrain.strategies import StrategyOptions, build_strategy, check_sync_batchnorm
+
+if TYPE_CHECKING:  # the command line builds its parsers from TrainConfig without torch
+    from torch import nn
+
+    from paratrain.runtime import RuntimeConfig
+    from paratrain.speed import SpeedOptions
 
 DEFAULT_RECIPE = "digits"
 
@@ -113,6 +111,12 @@ class TrainConfig:
         strategy once to check strategy, devices and batch arithmetic here, before any
         process or process group exists.
         """
+        from paratrain.data_paths import check_data_path
+        from paratrain.oom import check_oom_mode
+        from paratrain.precision import normalize_precision
+        from paratrain.speed import check_speed
+        from paratrain.strategies import build_strategy, check_sync_batchnorm
+
         recipe = recipes(self.recipe)
         cfg = dataclasses.replace(
             self,
@@ -159,6 +163,10 @@ class TrainConfig:
         return cfg
 
     def runtime_config(self) -> RuntimeConfig:
+        from paratrain.precision import normalize_precision
+        from paratrain.runtime import RuntimeConfig
+        from paratrain.strategies import StrategyOptions
+
         return RuntimeConfig(
             strategy=self.strategy,
             devices=self.devices,
@@ -182,6 +190,8 @@ class TrainConfig:
         )
 
     def speed_options(self) -> SpeedOptions:
+        from paratrain.speed import SpeedOptions
+
         return SpeedOptions.of(self.compile, self.channels_last)
 
     def block_names(self) -> tuple[str, ...]:

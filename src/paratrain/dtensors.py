@@ -8,19 +8,27 @@ process holds the same full tensor (each reads the same checkpoint).
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+#: torch.distributed.tensor takes a second to import (it loads torch._dynamo), and a DTensor
+#: exists only once it is imported (by FSDP): until then nothing is sharded.
+_MODULE = "torch.distributed.tensor"
 
 
-def is_sharded(tensor: Any) -> bool:
-    return isinstance(tensor, DTensor)
+def is_sharded(tensor: Any) -> TypeGuard[DTensor]:
+    module = sys.modules.get(_MODULE)
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: all-gathered if sharded (a collective), else itself."""
-    if isinstance(tensor, DTensor):
+    if is_sharded(tensor):
         return tensor.full_tensor()
     return tensor
 
@@ -28,8 +36,10 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``value`` (a full tensor) laid out like ``like``: this process's shard when ``like``
     is sharded, ``value`` itself otherwise."""
-    if not isinstance(like, DTensor) or isinstance(value, DTensor):
+    if not is_sharded(like) or is_sharded(value):
         return value
+    from torch.distributed.tensor import distribute_tensor
+
     local = value.to(device=like.device, dtype=like.dtype)
     # src_data_rank=None: every process splits its own copy, nothing is sent.
     return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
@@ -37,5 +47,5 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this process holds of ``tensor`` (its shard, if sharded)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = tensor.to_local() if is_sharded(tensor) else tensor
     return local.numel() * local.element_size()

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import torch
-
-from paratrain.collective import Collective
+if TYPE_CHECKING:  # Stopped is caught by the command line, which starts without torch
+    from paratrain.collective import Collective
 
 #: the signals that ask for a stop at the next step boundary
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -118,6 +118,8 @@ def agree(collective: Collective) -> Request | None:
     watch()
     if collective.world_size == 1:
         return _request
+    import torch
+
     mine = _request
     values = torch.tensor(
         [float(mine.signum), -mine.at] if mine else [0.0, -math.inf], dtype=torch.float64

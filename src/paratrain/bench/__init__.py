@@ -7,9 +7,34 @@ print(report.recommendation.message)
 
 from __future__ import annotations
 
-from paratrain.bench.recommend import Candidate, Recommendation, recommend
-from paratrain.bench.runner import BenchReport, BenchSettings, RunResult, run_bench
-from paratrain.bench.task import TaskSource
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paratrain.bench.recommend import Candidate, Recommendation, recommend
+    from paratrain.bench.runner import BenchReport, BenchSettings, RunResult, run_bench
+    from paratrain.bench.task import TaskSource
+
+#: imported on first use: the command line reads this package's torch-free modules
+#: (progress, crossover's sizes) to build `paratrain bench --help` without torch
+_LAZY = {
+    "Candidate": "paratrain.bench.recommend",
+    "Recommendation": "paratrain.bench.recommend",
+    "recommend": "paratrain.bench.recommend",
+    "BenchReport": "paratrain.bench.runner",
+    "BenchSettings": "paratrain.bench.runner",
+    "RunResult": "paratrain.bench.runner",
+    "run_bench": "paratrain.bench.runner",
+    "TaskSource": "paratrain.bench.task",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paratrain.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BenchReport",

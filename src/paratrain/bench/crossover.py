@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from paratrain.bench.stats import Spread
-from paratrain.bench.timing import timed
+
+if TYPE_CHECKING:  # `paratrain bench crossover --help` shows DEFAULT_SIZES without torch
+    import torch
 
 DEFAULT_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -59,6 +59,10 @@ def measure_crossover(
     device: torch.device, sizes: Sequence[int], repeats: int
 ) -> list[CrossoverRow]:
     """Time ``a @ b`` for ``n`` x ``n`` float32 matrices on the CPU and on ``device``."""
+    import torch
+
+    from paratrain.bench.timing import timed
+
     cpu = torch.device("cpu")
     rows = []
     generator = torch.Generator().manual_seed(0)

@@ -14,7 +14,6 @@ from typing import Any
 
 from rich.console import Console
 
-from paratrain.bench.combos import parse_batch_sizes, parse_precision_list, parse_strategy_list
 from paratrain.bench.crossover import DEFAULT_SIZES
 from paratrain.bench.progress import BenchProgress
 from paratrain.commands.bench_loader import register_loader, run_loader
@@ -56,6 +55,7 @@ def register(subparsers: Any) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
+    from paratrain.bench.combos import parse_batch_sizes, parse_precision_list, parse_strategy_list
     from paratrain.bench.runner import BenchSettings
 
     for flag, value, least in (
@@ -185,6 +185,7 @@ def run_placement(args: argparse.Namespace) -> int:
 def run_crossover(args: argparse.Namespace) -> int:
     from rich.table import Table
 
+    from paratrain.bench.combos import parse_batch_sizes
     from paratrain.bench.crossover import crossover_size, measure_crossover
     from paratrain.bench.timing import NO_GPU, pick_gpu
 

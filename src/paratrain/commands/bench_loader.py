@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from paratrain.commands.bench_source import add_source_arguments, source_from_args
 from paratrain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def register_loader(micro: Any) -> None:
@@ -32,6 +34,8 @@ def register_loader(micro: Any) -> None:
 
 
 def _device(name: str | None) -> torch.device:
+    import torch
+
     if name is None:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     try:

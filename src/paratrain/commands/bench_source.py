@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from paratrain.bench.task import TaskSource
+from paratrain.catalog import RECIPES
 from paratrain.config import DEFAULT_RECIPE
 from paratrain.errors import UserError
-from paratrain.recipes import recipe_names
+
+if TYPE_CHECKING:
+    from paratrain.bench.task import TaskSource
 
 
 def add_source_arguments(p: argparse.ArgumentParser) -> None:
     """--recipe or --script, and the recipe's data options."""
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--recipe", help=f"one of: {', '.join(recipe_names())} (default digits)")
+    what.add_argument("--recipe", help=f"one of: {', '.join(RECIPES)} (default digits)")
     what.add_argument(
         "--script",
         metavar="FILE.py:FACTORY",
@@ -24,6 +27,8 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def source_from_args(args: argparse.Namespace) -> TaskSource:
+    from paratrain.bench.task import TaskSource
+
     if args.script is not None:
         if args.data_dir is not None or args.synthetic is not None:
             raise UserError("--data-dir and --synthetic are for recipes, not --script")

@@ -10,8 +10,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from paratrain.checkpoint import convert_checkpoint, read_checkpoint, summarize
-
 SHOWN_TENSORS = 20  # without --all
 
 
@@ -39,6 +37,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint import read_checkpoint, summarize
+
     summary = summarize(read_checkpoint(args.path))
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -78,6 +78,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint import convert_checkpoint
+
     result = convert_checkpoint(args.src, args.dst, args.overwrite, args.strip_prefix)
     line = (
         f"wrote {result.destination} ({result.format}): {result.tensors} tensors, "

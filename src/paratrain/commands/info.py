@@ -6,8 +6,6 @@ import argparse
 import json
 from typing import Any
 
-from paratrain.devices import machine_info
-
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("info", help="what this machine offers")
@@ -16,6 +14,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from paratrain.devices import machine_info
+
     info = machine_info()
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))

@@ -10,7 +10,6 @@ import sys
 from paratrain import slurm
 from paratrain.agent import Nodes
 from paratrain.errors import UserError
-from paratrain.nonfinite import POLICY_VARIABLE
 from paratrain.preemption import Stopped
 from paratrain.slurm import SlurmTasks
 from paratrain.watchdog import TIMEOUT_VARIABLE, hang_timeout
@@ -65,6 +64,8 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes:
 
 def apply_to_environment(args: argparse.Namespace) -> None:
     """The hang timeout and the non-finite policy reach every process as environment."""
+    from paratrain.nonfinite import POLICY_VARIABLE
+
     if args.hang_timeout is not None:
         os.environ[TIMEOUT_VARIABLE] = str(args.hang_timeout)
         hang_timeout()  # a bad value fails here, before anything starts

@@ -7,13 +7,14 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from paratrain.commands.bench_source import add_source_arguments, source_from_args
 from paratrain.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a plan is made, not for `paratrain plan --help`
+    import torch
+    from torch import nn
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -58,6 +59,8 @@ def parse_size(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from paratrain.plan import plan_memory, trace_step
     from paratrain.plan.chart import MISSING_MATPLOTLIB, write_plan_chart
     from paratrain.plan.report import gib, print_plan
@@ -138,6 +141,8 @@ def task_builder(source: Any) -> tuple[Any, int]:
 def recipe_builder(
     name: str, data_dir: str | None = None, synthetic: int | None = None, seed: int = 0
 ) -> tuple[Any, int]:
+    import torch
+
     from paratrain.config import TrainConfig
     from paratrain.recipes import get_recipe
 
@@ -170,10 +175,14 @@ def _checkpointing(model: nn.Module) -> nn.Module:
 
 
 def _sgd(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    import torch
+
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
 def _device_count(accelerator: str) -> int:
+    import torch
+
     if accelerator == "cuda" and torch.cuda.is_available():
         return max(1, torch.cuda.device_count())
     return 2
@@ -182,6 +191,8 @@ def _device_count(accelerator: str) -> int:
 def _memory(given: str | None, accelerator: str) -> tuple[int, str]:
     if given is not None:
         return parse_size(given), "--device-memory"
+    import torch
+
     if accelerator == "cuda" and torch.cuda.is_available():
         sizes = [
             torch.cuda.get_device_properties(i).total_memory

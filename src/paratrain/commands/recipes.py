@@ -6,7 +6,6 @@ import argparse
 from typing import Any
 
 from paratrain.config import DEFAULT_RECIPE
-from paratrain.recipes import get_recipe, recipe_names
 
 
 def register(subparsers: Any) -> None:
@@ -15,6 +14,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from paratrain.recipes import get_recipe, recipe_names
+
     for name in recipe_names():
         recipe = get_recipe(name)
         default = " (default)" if name == DEFAULT_RECIPE else ""

@@ -32,8 +32,6 @@ from paratrain.commands.launch_options import (
 )
 from paratrain.errors import UserError
 from paratrain.preemption import Stopped
-from paratrain.runtime import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
-from paratrain.strategies import build_strategy
 from paratrain.threads import choose_for
 
 
@@ -124,6 +122,9 @@ def _number(name: str, value: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from paratrain.runtime import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
+    from paratrain.strategies import build_strategy
+
     script_args = _options_after_the_script(args)
     strategy, devices = args.strategy or "auto", args.devices
     nodes_from_args(args)

@@ -7,11 +7,10 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paratrain import run_lock, rundir
 from paratrain.agent import Nodes
-from paratrain.autoresume import plan, set_aside
+from paratrain.catalog import RECIPES, STRATEGIES
 from paratrain.commands.launch_options import (
     add_launch_arguments,
     apply_to_environment,
@@ -20,30 +19,25 @@ from paratrain.commands.launch_options import (
     slurm_nodes,
 )
 from paratrain.config import DEFAULT_RECIPE, TrainConfig
-from paratrain.elastic import start_agent
 from paratrain.errors import UserError
-from paratrain.launch import launched, on_main
-from paratrain.loop import Summary, train
 from paratrain.mlflow_logger import DEFAULT_URI, require_mlflow
 from paratrain.preemption import Stopped
-from paratrain.recipes import get_recipe, recipe_names
-from paratrain.resume import resume_config
-from paratrain.runtime import Runtime
 from paratrain.slurm import SlurmTasks
-from paratrain.strategies import build_strategy, describe_strategies
-from paratrain.tensorboard_logger import require_tensorboard
-from paratrain.training_state import CHECKPOINTS
+
+if TYPE_CHECKING:  # `paratrain train --help` builds this parser without importing torch
+    from paratrain.loop import Summary
+    from paratrain.runtime import Runtime
 
 
 def _strategy_help() -> str:
     lines = ["auto (ddp under torchrun or on 2+ GPUs, else cuda, mps, cpu)"]
-    lines += [f"{name} ({text})" for name, text in describe_strategies().items()]
+    lines += [f"{name} ({text})" for name, text in STRATEGIES.items()]
     return "; ".join(lines)
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     """The options every command that trains a recipe shares."""
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"one of: {', '.join(recipe_names())}")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"one of: {', '.join(RECIPES)}")
     p.add_argument("--strategy", default="auto", help=_strategy_help())
     p.add_argument("--devices", help="a count (2) or a list (0,1 / cuda:0,cuda:1 / cpu,cpu)")
     p.add_argument("--epochs", type=int, help="default: the recipe's")
@@ -210,6 +204,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str | None) -> Summary:
+    from paratrain import rundir
+    from paratrain.launch import launched, on_main
+    from paratrain.loop import train
+
     if directory is None:
         # Started by torchrun: every process runs this command; the main one alone checks
         # and creates --out, so the overwrite check cannot race.
@@ -224,12 +222,20 @@ def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str | None) -> Su
 
 def fetch_data(cfg: TrainConfig) -> str:
     """``--download``: the folder holding the recipe's data, fetched there if absent."""
+    from paratrain.recipes import get_recipe
+
     fetch = get_recipe(cfg.recipe).download_data
     assert fetch is not None  # checked by TrainConfig.resolved
     return fetch(cfg.data_dir)
 
 
 def train_command(cfg: TrainConfig) -> int:
+    from paratrain import rundir
+    from paratrain.launch import launched
+    from paratrain.recipes import get_recipe
+    from paratrain.runtime import Runtime
+    from paratrain.tensorboard_logger import require_tensorboard
+
     cfg = cfg.resolved(get_recipe)
     if cfg.tensorboard:
         require_tensorboard()
@@ -250,12 +256,18 @@ def train_command(cfg: TrainConfig) -> int:
 
 def _sets_up_out(nodes: Nodes) -> bool:
     """Whether this process prepares --out: machine 0's launcher, or rank 0 under torchrun."""
+    from paratrain.launch import launched
+
     if launched():
         return os.environ.get("RANK", "0") == "0"
     return nodes.node_rank == 0
 
 
 def run(args: argparse.Namespace) -> int:
+    from paratrain import run_lock
+    from paratrain.resume import resume_config
+    from paratrain.strategies import build_strategy
+
     nodes_from_args(args)  # the launch options are checked first
     apply_to_environment(args)
     directory = _run_directory(args)  # gives --out its default before the config is built
@@ -277,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_locked(
     args: argparse.Namespace, cfg: TrainConfig, nodes: Nodes, tasks: SlurmTasks | None
 ) -> int:
+    from paratrain.autoresume import plan, set_aside
+    from paratrain.elastic import start_agent
+    from paratrain.launch import launched
+
     if cfg.resume_from is None and getattr(args, "fresh", False):
         if _sets_up_out(nodes):
             set_aside(cfg.out)
@@ -297,6 +313,9 @@ def _run_locked(
 def _run_directory(args: argparse.Namespace) -> Path | None:
     """The directory this command writes (``--out`` is given its default here); None for
     a ``--resume`` of nothing (refused later)."""
+    from paratrain import rundir
+    from paratrain.training_state import CHECKPOINTS
+
     if getattr(args, "resume", None) is not None:
         given = Path(args.resume)
         run = given.parent.parent if given.parent.name == CHECKPOINTS else given

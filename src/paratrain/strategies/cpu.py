@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paratrain.catalog import STRATEGIES
 from paratrain.strategies.registry import register
 from paratrain.strategies.single import SingleDeviceStrategy
 
@@ -9,5 +10,5 @@ from paratrain.strategies.single import SingleDeviceStrategy
 @register
 class CPUStrategy(SingleDeviceStrategy):
     name = "cpu"
-    description = "one process on the CPU"
+    description = STRATEGIES["cpu"]
     device_type = "cpu"

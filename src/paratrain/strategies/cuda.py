@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.catalog import STRATEGIES
 from paratrain.devices import check_cuda_devices, cuda_count
 from paratrain.strategies.registry import register
 from paratrain.strategies.single import SingleDeviceStrategy
@@ -12,7 +13,7 @@ from paratrain.strategies.single import SingleDeviceStrategy
 @register
 class CUDAStrategy(SingleDeviceStrategy):
     name = "cuda"
-    description = "one process on one CUDA GPU"
+    description = STRATEGIES["cuda"]
     device_type = "cuda"
 
     @classmethod

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain import collective_order
+from paratrain.catalog import STRATEGIES
 from paratrain.devices import check_cuda_devices, cuda_count, parse_count, parse_device_list
 from paratrain.errors import LaunchError, UserError
 from paratrain.strategies.base import Strategy, StrategyOptions
@@ -49,7 +50,7 @@ from paratrain.strategies.sync_batchnorm import make_cpu_compatible
 class DDPStrategy(Strategy):
     name = "ddp"
     syncs_batchnorm = True
-    description = "DistributedDataParallel, one process per device (nccl on CUDA, gloo on CPU)"
+    description = STRATEGIES["ddp"]
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.catalog import STRATEGIES
 from paratrain.devices import cuda_count, parse_count, parse_device_list
 from paratrain.errors import UserError
 from paratrain.strategies.base import Strategy, StrategyOptions
@@ -113,9 +114,7 @@ class MeteredDataParallel(nn.DataParallel[nn.Module]):
 class DataParallelStrategy(Strategy):
     name = "dp"
     allows_activation_checkpointing = False
-    description = (
-        "one process, torch.nn.DataParallel over CUDA GPUs (outputs and loss on the first)"
-    )
+    description = STRATEGIES["dp"]
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)

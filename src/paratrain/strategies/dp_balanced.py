@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.catalog import STRATEGIES
 from paratrain.errors import UserError
 from paratrain.precision import to_float32
 from paratrain.strategies.base import Strategy, StrategyOptions
@@ -183,7 +184,7 @@ class BalancedCriterion(nn.Module):
 class BalancedDataParallelStrategy(Strategy):
     name = "dp-balanced"
     allows_activation_checkpointing = False
-    description = "one process, several GPUs (or cpu,cpu); loss per device, only losses gathered"
+    description = STRATEGIES["dp-balanced"]
     needs_loss_fn = True
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:

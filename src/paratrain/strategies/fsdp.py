@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from paratrain.catalog import STRATEGIES
 from paratrain.dtensors import shard_like
 from paratrain.errors import UserError
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.blocks import choose_blocks, has_parameters
 from paratrain.strategies.ddp import DDPStrategy
 from paratrain.strategies.registry import register
+
+if TYPE_CHECKING:  # torch.distributed.fsdp loads torch.distributed.tensor: imported when used
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,10 +43,7 @@ class FSDPStrategy(DDPStrategy):
     checks_model = True
     collective_forward = True
     pieces_sync_each = True
-    description = (
-        "FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over one "
-        "process per device (nccl on CUDA, gloo on CPU)"
-    )
+    description = STRATEGIES["fsdp"]
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)
@@ -72,12 +71,17 @@ class FSDPStrategy(DDPStrategy):
         choose_blocks(model, self.options.fsdp_blocks)  # unknown --fsdp-blocks names
 
     def mp_policy(self) -> MixedPrecisionPolicy:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         dtype = _DTYPES.get(self.options.precision)
         if dtype is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         self.check_model(model)
         before = {name: param for name, param in model.named_parameters()}
         mesh = init_device_mesh(self.root_device.type, (self.collective.world_size,))
@@ -106,6 +110,8 @@ class FSDPStrategy(DDPStrategy):
                 }
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        from torch.distributed.fsdp import FSDPModule
+
         if isinstance(model, FSDPModule):
             return _without_gradient_sync(model)
         return contextlib.nullcontext()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paratrain.catalog import STRATEGIES
 from paratrain.devices import mps_available
 from paratrain.strategies.registry import register
 from paratrain.strategies.single import SingleDeviceStrategy
@@ -10,7 +11,7 @@ from paratrain.strategies.single import SingleDeviceStrategy
 @register
 class MPSStrategy(SingleDeviceStrategy):
     name = "mps"
-    description = "one process on an Apple GPU (MPS)"
+    description = STRATEGIES["mps"]
     device_type = "mps"
 
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.catalog import STRATEGIES
 from paratrain.errors import UserError
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
@@ -35,10 +36,7 @@ class PipelineStrategy(DDPStrategy):
     checks_model = True
     collective_forward = True
     trains_in_pipeline = True
-    description = (
-        "pipeline: the model's layers split into stages, one process per device, "
-        "micro-batches on a 1F1B or GPipe schedule (torch.distributed.pipelining)"
-    )
+    description = STRATEGIES["pipeline"]
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)

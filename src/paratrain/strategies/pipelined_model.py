@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from paratrain.errors import UserError
 
@@ -104,6 +103,9 @@ class PipelinedModel(nn.Module):
         and receives on its first step."""
         key = (rows, micro)
         if key not in self._schedules:
+            # imported here: torch.distributed.pipelining loads torch._dynamo (a second)
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
             stage = PipelineStage(self.stage, self.index, self.count, self.device)
             one_f_one_b = self.schedule_name == "1f1b" and micro >= self.count
             kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
