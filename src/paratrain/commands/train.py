@@ -32,6 +32,7 @@ from paratrain.runtime import Runtime
 from paratrain.slurm import SlurmTasks
 from paratrain.strategies import build_strategy, describe_strategies
 from paratrain.tensorboard_logger import require_tensorboard
+from paratrain.threads import say_note, started_note
 from paratrain.training_state import CHECKPOINTS
 
 
@@ -244,6 +245,8 @@ def train_command(cfg: TrainConfig) -> int:
         directory = str(rundir.prepare(cfg.out, cfg.recipe, cfg.overwrite))
         cfg.out = directory
     rt = Runtime.from_config(cfg.runtime_config())
+    if not launched() and rt.strategy.num_processes > 1:
+        say_note(started_note(rt.threads, rt.strategy.num_processes))
     rt.launch(train_in_process, cfg, directory)
     return 0
 

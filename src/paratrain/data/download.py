@@ -73,12 +73,41 @@ def download_cifar10(
             f"{target} exists but lacks some of {', '.join(CIFAR_FILES)}; remove it and "
             "run again to download CIFAR-10 afresh"
         )
+    created = _missing_folders(root)  # removed again if the download fails
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the CIFAR-10 folder {root}: {exc.strerror}") from None
     if log is not None:
         log(f"downloading CIFAR-10 from {url} into {root}")
+    try:
+        return _download_into(root, target, url, md5)
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+
+
+def _missing_folders(root: Path) -> list[Path]:
+    """``root`` and those of its parents that do not exist yet, deepest first."""
+    missing: list[Path] = []
+    folder = root.absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """A failed download leaves no empty folder behind (one that gained files stays)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _download_into(root: Path, target: Path, url: str, md5: str) -> Path:
+    """Fetch, check and extract the archive into ``target``; the folder of the batches."""
     # The temporary folder sits beside the target so that the final rename stays on one
     # filesystem (atomic), and it goes away whatever happens.
     with tempfile.TemporaryDirectory(prefix=".cifar10-download-", dir=root) as tmp:
