@@ -22,6 +22,29 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message} (see: {self.prog} --help)")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Also note the innermost (sub)command that parsed (``_PROG``), so that an argument
+        nobody knows points at that command's ``--help``, not at ``paratrain --help``."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, _PROG):  # set by a subcommand's parser first, kept here
+            setattr(parsed, _PROG, self.prog)
+        return parsed, extras
+
+
+#: the namespace attribute naming the (sub)command that parsed the arguments
+_PROG = "_paratrain_prog"
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The arguments of one command; an unknown one is refused naming that command's help."""
+    args, extras = build_parser().parse_known_args(argv)
+    prog = vars(args).pop(_PROG, "paratrain")
+    if extras:
+        raise UserError(f"unrecognized arguments: {' '.join(extras)} (see: {prog} --help)")
+    return args
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -38,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; user errors become one line on stderr and exit code 2."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
         return int(args.handler(args))
     except UserError as exc:
         _error(exc)

@@ -10,7 +10,12 @@ from paratrain.recipes import get_recipe, recipe_names
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("recipes", help="list the built-in recipes")
+    parser = subparsers.add_parser(
+        "recipes",
+        help="list the built-in recipes",
+        description="The built-in recipes (paratrain train --recipe NAME): what each trains, "
+        "and its default epochs, batch size and learning rate.",
+    )
     parser.set_defaults(handler=run)
 
 

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+from paratrain.atomic import current_umask
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR
 from paratrain.errors import UserError
 
@@ -183,6 +184,15 @@ def check_member(member: tarfile.TarInfo, archive: Path) -> None:
         )
 
 
+def _data_within_umask(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+    """tarfile's "data" filter, and the modes the umask allows (as for any file paratrain
+    writes), not the archive's: a umask of 027 keeps the data from other users."""
+    filtered = tarfile.data_filter(member, path)
+    if filtered is None or filtered.mode is None:
+        return filtered
+    return filtered.replace(mode=filtered.mode & ~current_umask(), deep=False)
+
+
 def safe_extract(archive: Path, destination: Path) -> None:
     """Extract ``archive`` (.tar.gz) into ``destination`` after checking every member."""
     try:
@@ -193,7 +203,7 @@ def safe_extract(archive: Path, destination: Path) -> None:
             destination.mkdir(parents=True)
             # The "data" filter repeats the checks where Python has it (3.10.12+, 3.11.4+).
             if hasattr(tarfile, "data_filter"):
-                tar.extractall(destination, members=members, filter="data")
+                tar.extractall(destination, members=members, filter=_data_within_umask)
             else:  # pragma: no cover - older Pythons: the checks above are all there is
                 tar.extractall(destination, members=members)
     except UserError:
