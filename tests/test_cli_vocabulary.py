@@ -5,15 +5,19 @@ here trains: the parsers and the checks before any process starts (``--strategy 
 from __future__ import annotations
 
 import argparse
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_download import good_archive
 
 from paratrain.cli import build_parser, main, parse
-from paratrain.commands.tune import REFUSED, settings_from_args
+from paratrain.commands.tune import REFUSED, fetch_once, settings_from_args
+from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR
+from paratrain.data.download import MD5_ENV, URL_ENV
 from paratrain.errors import UserError
 
 #: the one name of each idea, and spellings of the same ideas no parser may show
@@ -146,3 +150,22 @@ def test_ckpt_convert_takes_out_as_dst(tmp_path: Path, capsys: pytest.CaptureFix
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("paratrain: error: neither DST nor --out given")
     assert err[1].startswith("paratrain: error: both DST and --out given")
+
+
+def test_tune_downloads_the_data_once_before_the_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--download`` is fetched by the command (as `paratrain train` does), so every trial
+    reads the folder instead of finding no data (a local archive: file://)."""
+    archive = tmp_path / "cifar.tar.gz"
+    archive.write_bytes(good_archive(tmp_path / "src"))
+    monkeypatch.setenv(URL_ENV, archive.as_uri())
+    monkeypatch.setenv(MD5_ENV, hashlib.md5(archive.read_bytes()).hexdigest())
+    argv = ["tune", "--recipe", "cifar10-resnet18", "--download", "--strategy", "cpu"]
+    settings = settings_from_args(parse([*argv, "--data-dir", "data", "--space", "lr=choice(0.1)"]))
+    assert settings.base.data_dir == str(Path("data").resolve())  # absolute for the trials
+    monkeypatch.chdir(tmp_path)
+    settings = settings_from_args(parse([*argv, "--data-dir", "data", "--space", "lr=choice(0.1)"]))
+    fetch_once(settings)
+    assert settings.base.data_dir == str(tmp_path / "data" / CIFAR_SUBDIR)
+    assert sorted(p.name for p in Path(settings.base.data_dir).iterdir()) == sorted(CIFAR_FILES)

@@ -9,7 +9,12 @@ from typing import Any
 
 from rich.console import Console
 
-from paratrain.commands.train import add_run_arguments, add_training_arguments, given_options
+from paratrain.commands.train import (
+    add_run_arguments,
+    add_training_arguments,
+    fetch_data,
+    given_options,
+)
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 
@@ -130,6 +135,13 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return checked(settings)
 
 
+def fetch_once(settings: Any) -> None:
+    """``--download``: the data is fetched here, once, before any trial starts (as
+    `paratrain train` does before its processes); the trials read the folder."""
+    if settings.base.download:
+        settings.base.data_dir = fetch_data(settings.base)
+
+
 def _resumed_settings(args: argparse.Namespace) -> tuple[Any, Path]:
     from paratrain.tune.report import read_report
     from paratrain.tune.settings import TuneSettings
@@ -164,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         settings = settings_from_args(args)
     require_ray()  # after the input is checked: bad input is found without Ray too
+    fetch_once(settings)
     if args.resume is None:
         out = prepare_out(args.out, settings.base.recipe, bool(args.overwrite))
     console = Console()
