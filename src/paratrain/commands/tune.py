@@ -46,7 +46,7 @@ REFUSED: dict[str, tuple[bool, str]] = {
     "--nnodes": (False, _PLACED_BY_RAY),
     "--node-rank": (False, _PLACED_BY_RAY),
     "--rdzv-endpoint": (False, _PLACED_BY_RAY),
-    "--max-restarts": (False, "a trial's processes are not restarted; a failed trial says error"),
+    "--max-restarts": (False, "a failed trial is not restarted; the search reports it as error"),
     "--requeue": (True, "a search interrupted is continued with --resume, not a SLURM requeue"),
     "--hang-timeout": (False, _ENVIRONMENT),
     "--skip-nonfinite": (True, _ENVIRONMENT),
@@ -67,8 +67,8 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_training_arguments(p)
-    _seed = next(action for action in p._actions if action.dest == "seed")
-    _seed.help = "seeds the search and every trial's training (default 0)"
+    seed = next(action for action in p._actions if action.dest == "seed")
+    seed.help = "seeds the search and every trial's training (default 0)"
     add_run_arguments(p)
     for flag, (is_flag, _why) in REFUSED.items():
         kind: dict[str, Any] = {"action": "store_true"} if is_flag else {}
