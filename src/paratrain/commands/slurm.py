@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None:
         print(text, end="")
     else:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text, encoding="utf-8")
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
     return 0
