@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,3 +170,10 @@ def test_tune_downloads_the_data_once_before_the_trials(
     fetch_once(settings)
     assert settings.base.data_dir == str(tmp_path / "data" / CIFAR_SUBDIR)
     assert sorted(p.name for p in Path(settings.base.data_dir).iterdir()) == sorted(CIFAR_FILES)
+
+
+def test_recipes_speaks_json_too(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["recipes", "--json"]) == 0
+    recipes = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in recipes if r["default"]] == ["digits"]
+    assert {"name", "description", "epochs", "batch_size", "lr"} <= set(recipes[0])

@@ -4,10 +4,14 @@ processes it starts is said once (``--strategy cpu``: nothing here starts proces
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 
 from paratrain.cli import main
 from paratrain.data.download import URL_ENV, download_cifar10
@@ -75,3 +79,22 @@ def test_the_threads_set_for_started_processes_are_said_unless_the_user_chose() 
     assert note is not None and "OMP_NUM_THREADS=4 for each of the 2 process(es)" in note
     assert started_note(choose_threads(8, 2, 0.0, inherited="3"), 2) is None
     assert started_note(choose_threads(8, 2, 0.0, requested=2), 2) is None  # --threads
+
+
+def test_a_reader_that_leaves_early_gets_no_error(tmp_path: Path) -> None:
+    """`paratrain recipes | head -1`: stdout is a pipe whose reader is gone. No "error:
+    Broken pipe", no traceback at exit; exit code 141, as after SIGPIPE."""
+    read, write = os.pipe()
+    os.close(read)  # every write now fails with EPIPE
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "paratrain", "recipes"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")

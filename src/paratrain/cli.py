@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -71,12 +72,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Stopped as exc:  # stopped on a signal; the main process printed its line
         return int(exc.code or 1)
+    except BrokenPipeError:  # `paratrain recipes | head`: the reader is gone, nothing to say
+        _silence_stdout()
+        return 141  # as the shell reports a process ended by SIGPIPE
     except OSError as exc:  # a full disk, a folder not writable: one line, not a traceback
         _error(UserError(exc.strerror if exc.errno in FULL and exc.strerror else _os_error(exc)))
         return 2
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Send what is left to /dev/null, so that Python's flush at exit does not complain."""
+    # no file descriptor: a test's stdout
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _os_error(exc: OSError) -> str:
