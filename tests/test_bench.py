@@ -303,7 +303,7 @@ def test_micro_benchmarks_say_there_is_no_gpu_and_exit_0(
 
 
 def test_micro_benchmarks_refuse_the_cpu_as_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "crossover", "--device", "cpu"]) == 2
+    assert main(["bench", "crossover", "--devices", "cpu"]) == 2
     assert "choose a GPU" in capsys.readouterr().err
 
 

@@ -80,7 +80,7 @@ def test_the_recommendation_follows_the_table() -> None:
 def test_bench_loader_script_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "tiny.py"
     script.write_text(SCRIPT)
-    argv = ["bench", "loader", "--script", f"{script}:factory", "--batches", "3"]
+    argv = ["bench", "loader", "--script", f"{script}:factory", "--steps", "3"]
     argv += ["--warmup", "1", "--repeats", "2", "--max-workers", "1", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
@@ -98,7 +98,7 @@ def test_bench_loader_script_json(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_bench_loader_recipe_table(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "loader", "--recipe", "linear", "--batches", "2", "--warmup", "0"]
+    argv = ["bench", "loader", "--recipe", "linear", "--steps", "2", "--warmup", "0"]
     assert main([*argv, "--repeats", "1", "--max-workers", "0"]) == 0
     out = capsys.readouterr().out
     assert "DataLoader settings for linear" in out and "use num_workers=0" in out
@@ -107,9 +107,9 @@ def test_bench_loader_recipe_table(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--batches", "0"], "--batches must be at least 1"),
-        (["--device", "cuda:0"], "no CUDA GPU"),
-        (["--device", "nonsense"], "is not a device"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--devices", "cuda:0"], "no CUDA GPU"),
+        (["--devices", "nonsense"], "is not a device"),
         (["--recipe", "digits", "--batch-size", "5000"], "larger than the 1437"),
         (["--script", "nope.py:factory"], "no file"),
     ],

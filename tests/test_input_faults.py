@@ -83,7 +83,7 @@ def test_resuming_the_final_checkpoint_and_a_short_metrics_file(
     metrics.write_text("".join(lines[:-1]))
     code, out, err = _run(capsys, "train", "--no-progress", "--resume", str(finished))
     assert code == 0
-    assert "trained 2 epoch(s), 20 steps" in out
+    assert "trained 2 epochs, 20 steps" in out
     assert f"{metrics} has {len(lines) - 1} line(s), the checkpoint recorded {len(lines)}" in err
 
 

@@ -184,7 +184,7 @@ def test_two_machines_train_to_the_weights_of_one_process(
                 node.communicate()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:]
     stdout = outputs[0][0] + outputs[1][0]
-    assert stdout.count("trained 2 epoch(s), 50 steps") == 1  # printed by rank 0 only
+    assert stdout.count("trained 1.1 epochs, 50 steps") == 1  # printed by rank 0 only
     one, two = digits_on_one_cpu, weights(tmp_path / "two")
     diff = max((one[k] - two[k]).abs().max().item() for k in one)
     print(f"\n2 machines x 2 gloo processes vs one process after 50 steps: max abs diff {diff:.3g}")
@@ -212,7 +212,7 @@ def test_skip_nonfinite_skips_the_step_on_every_rank(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     note = "the loss is NaN or infinite on rank 1 at step 7; every rank skipped it"
     assert result.stderr.count(note) == 1, result.stderr[-3000:]
-    assert "trained 1 epoch(s), 12 steps" in result.stdout
+    assert "trained 0.3 epochs, 12 steps" in result.stdout
     assert all(torch.isfinite(t).all() for t in weights(tmp_path / "run").values())
     assert "nan" not in (tmp_path / "run" / "metrics.jsonl").read_text().lower()
 
@@ -344,7 +344,7 @@ def test_a_run_moved_between_schedulers_and_stopped_four_times_ends_bit_identica
         tmp_path,
     )
     assert [code for code, _, _ in done] == [0, 0], done[0][2][-3000:]
-    assert "trained 2 epoch(s), 30 steps" in done[0][1]
+    assert "trained 1.3 epochs, 30 steps" in done[0][1]
 
     k1, k2 = random.randint(1, 9), random.randint(13, 18)  # 10: the checkpoint restarted from
     k3 = random.randint(k2 + 1, 29)

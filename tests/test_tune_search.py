@@ -164,11 +164,19 @@ def test_a_ddp_trial_runs_two_processes_and_reports_every_epoch(
         "2",
         "--no-progress",
         "--no-plot",
+        "--tensorboard",  # options of `paratrain train` reach every trial's run
+        "--save-every",
+        "20",
         "--out",
         "search",
         timeout=280,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    best = tmp_path / "search" / "best"
+    assert any((best / "tensorboard").glob("events.out.tfevents.*"))
+    # 45 steps an epoch, saved every 20 too: the newest three of 20, 40, 45, 60, 80, 90
+    kept = sorted(path.name for path in (best / "checkpoints").iterdir())
+    assert kept == ["step-000060", "step-000080", "step-000090"], kept
     report = _report(tmp_path / "search")
     assert report["settings"]["resources"] == {"cpus": 2.0, "gpus": 0.0}
     (trial,) = report["trials"]

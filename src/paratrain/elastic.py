@@ -26,7 +26,7 @@ from paratrain.errors import UserError
 from paratrain.recipes import get_recipe
 from paratrain.resume import resume_config
 from paratrain.strategies import build_strategy
-from paratrain.threads import choose_for
+from paratrain.threads import choose_for, say_note, started_note
 from paratrain.training_state import latest_checkpoint
 
 CONFIG_VARIABLE = "PARATRAIN_TRAIN_CONFIG"
@@ -59,7 +59,9 @@ def start_agent(cfg: TrainConfig, nodes: Nodes) -> int:
     cfg.strategy = strategy.name
     env = {CONFIG_VARIABLE: json.dumps(cfg.to_dict())}
     # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
-    env.update(choose_for(strategy.num_processes, cfg.threads).child_environment())
+    threads = choose_for(strategy.num_processes, cfg.threads)
+    env.update(threads.child_environment())
+    say_note(started_note(threads, strategy.num_processes))
     run_agent(["paratrain.entry", "train"], strategy.num_processes, env, nodes, "paratrain train")
     return 0
 

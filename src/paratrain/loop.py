@@ -55,12 +55,15 @@ class Summary:
     micro_batch_split: int = 1
     halved_at_step: int | None = None
     piece_samples: int | None = None
+    #: the epochs as they were: optimizer steps / steps per epoch (1.1 for 50 steps of 45)
+    epochs_trained: float | None = None
 
     def line(self, directory: Path | None) -> str:
         accuracy = "" if self.eval_accuracy is None else f", test accuracy {self.eval_accuracy:.2%}"
         where = "" if directory is None else f"; saved to {directory}"
         return (
-            f"trained {self.epochs} epoch(s), {self.steps} steps in {self.seconds:.1f}s "
+            f"trained {epochs_text(self.epochs_trained, self.epochs)}, {self.steps} steps in "
+            f"{self.seconds:.1f}s "
             f"({self.samples_per_second:,.0f} samples/s): train loss {self.train_loss:.4f}, "
             f"test loss {self.eval_loss:.4f}{accuracy}{self.times.line(self.seconds)}"
             f"{self._oom_line()}{where}"
@@ -73,6 +76,16 @@ class Summary:
             f"; ran out of memory at step {self.halved_at_step}: micro-batches run in "
             f"{self.micro_batch_split} pieces of about {self.piece_samples} samples per process"
         )
+
+
+def epochs_text(trained: float | None, started: int) -> str:
+    """``2 epochs``, ``1 epoch``, ``1.1 epochs``, ``0.04 epochs``: what was trained, not the
+    count of epochs begun (``started``, said where the fraction is unknown)."""
+    if trained is None:
+        return f"{started} epoch{'' if started == 1 else 's'}"
+    if trained == int(trained):
+        return f"{int(trained)} epoch{'' if trained == 1 else 's'}"
+    return f"{trained:.1f} epochs" if trained >= 0.095 else f"{trained:.2g} epochs"
 
 
 def evaluate(
@@ -283,6 +296,7 @@ def train(
         epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
     )
     summary.times = clock.times(samples)
+    summary.epochs_trained = step / max(1, steps_per_epoch)
     summary.micro_batch_split = rt.micro_batches.split
     summary.halved_at_step = rt.micro_batches.halved_at
     summary.piece_samples = rt.micro_batches.piece_samples

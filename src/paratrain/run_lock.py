@@ -73,7 +73,7 @@ def acquire(run_dir: str | Path) -> RunLock:
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     for _ in range(3):  # another process may take a stale lock over at the same moment
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask
         except FileExistsError:
             owner = _read(path)
             if owner is None:  # being written right now, or unreadable: look again

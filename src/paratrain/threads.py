@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -53,6 +54,23 @@ class ThreadChoice:
             CHOSEN_VARIABLE: str(self.threads),
             REASON_VARIABLE: self.reason,
         }
+
+
+def started_note(choice: ThreadChoice, processes: int) -> str | None:
+    """The one line a launcher says when it set ``OMP_NUM_THREADS`` for the ``processes``
+    it starts (torchrun would otherwise warn and choose 1); None where the user chose."""
+    if choice.source != "chosen":
+        return None
+    return (
+        f"paratrain: note: OMP_NUM_THREADS={choice.threads} for each of the {processes} "
+        f"process(es) it starts ({choice.reason}); set OMP_NUM_THREADS to choose otherwise"
+    )
+
+
+def say_note(note: str | None) -> None:
+    """Print ``note`` (from :func:`started_note`) on stderr, if there is one."""
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
 
 
 def choose_threads(

@@ -73,6 +73,7 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     state = plain_state_dict(model)
     if sharded and not _is_main():
         return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # as rt.save does
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
 
 

@@ -25,17 +25,17 @@ def pick_gpu(spec: str | None) -> torch.device | None:
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise UserError(f"--device {spec!r} is not a device; use e.g. cuda:0 or mps") from None
+        raise UserError(f"--devices {spec!r} is not a device; use e.g. cuda:0 or mps") from None
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", 0)
         if device.index >= cuda_count():
-            raise UserError(f"--device {device}: this machine has {cuda_count()} CUDA device(s)")
+            raise UserError(f"--devices {device}: this machine has {cuda_count()} CUDA device(s)")
     elif device.type == "mps":
         if not mps_available():
-            raise UserError("--device mps: this machine has no Apple MPS device")
+            raise UserError("--devices mps: this machine has no Apple MPS device")
     else:
-        raise UserError(f"--device {spec}: choose a GPU (cuda:N or mps) to compare the CPU with")
+        raise UserError(f"--devices {spec}: choose a GPU (cuda:N or mps) to compare the CPU with")
     return device
 
 

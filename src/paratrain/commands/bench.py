@@ -18,6 +18,7 @@ from paratrain.bench.crossover import DEFAULT_SIZES
 from paratrain.bench.progress import BenchProgress
 from paratrain.commands.bench_loader import register_loader, run_loader
 from paratrain.commands.bench_source import add_source_arguments, source_from_args
+from paratrain.commands.options import hidden_alias, one_device
 from paratrain.errors import UserError
 
 
@@ -39,7 +40,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per run (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and data (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     p.add_argument("--out", help="output directory; default runs/bench-<name>-<timestamp>")
     p.add_argument("--overwrite", action="store_true", help="replace a bench.json in --out")
@@ -49,9 +50,48 @@ def register(subparsers: Any) -> None:
         "--json", action="store_true", help="print bench.json's contents instead of the table"
     )
     p.set_defaults(handler=run)
-    micro = p.add_subparsers(dest="micro", metavar="{placement,crossover,loader}")
+    micro = p.add_subparsers(
+        dest="micro", metavar="{placement,crossover,loader}", action=_MicroBenchmarks
+    )
     _register_micro(micro)
     register_loader(micro)
+
+
+class _MicroBenchmarks(argparse._SubParsersAction):
+    """``paratrain bench OPTIONS loader ...``: an option given before the micro-benchmark's
+    name applies to it where it has that option and is refused where it has not (argparse
+    would let the micro-benchmark's defaults replace it without a word)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = {
+            action.dest: (action.option_strings[0], getattr(namespace, action.dest))
+            for action in parser._actions
+            if action.option_strings
+            and getattr(namespace, action.dest, action.default) != action.default
+        }
+        super().__call__(parser, namespace, values, option_string)
+        name = values[0]
+        command = f"{parser.prog} {name}"
+        defaults = {
+            action.dest: action.default
+            for action in self.choices[name]._actions
+            if action.option_strings and action.default is not argparse.SUPPRESS
+        }
+        for dest, (flag, value) in given.items():
+            if dest not in defaults:
+                raise UserError(
+                    f"{flag} is an option of {parser.prog}, not of {command} "
+                    f"(see: {command} --help)"
+                )
+            if getattr(namespace, dest) != defaults[dest]:
+                raise UserError(f"{flag} is given before and after {name}: give it once")
+            setattr(namespace, dest, value)
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -122,13 +162,23 @@ def _register_micro(micro: Any) -> None:
     p = micro.add_parser(
         "placement",
         help="create on the CPU then copy vs create on the GPU; pageable vs pinned copies",
+        description="Time an n x n float32 tensor created on the CPU and copied to the GPU "
+        "against one created on the GPU, and copies from pageable against pinned memory "
+        "(GB/s); also what a timer that does not synchronize would report.",
     )
-    p.add_argument("--device", help="the GPU to measure (default cuda:0, else mps)")
+    p.add_argument("--devices", help="the one GPU to measure (default cuda:0, else mps)")
+    hidden_alias(p, "--device", dest="devices")
     p.add_argument("--size", type=int, default=10000, help="n for n x n float32 (default 10000)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls each (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    c = micro.add_parser("crossover", help="matrix sizes from which the GPU beats the CPU")
-    c.add_argument("--device", help="the GPU to measure (default cuda:0, else mps)")
+    c = micro.add_parser(
+        "crossover",
+        help="matrix sizes from which the GPU beats the CPU",
+        description="Time a @ b for n x n float32 matrices on the CPU and on the GPU (with "
+        "and without the copies there and back), and say from which n the GPU wins.",
+    )
+    c.add_argument("--devices", help="the one GPU to measure (default cuda:0, else mps)")
+    hidden_alias(c, "--device", dest="devices")
     c.add_argument(
         "--sizes",
         default=",".join(str(n) for n in DEFAULT_SIZES),
@@ -156,7 +206,7 @@ def run_placement(args: argparse.Namespace) -> int:
     _check_micro(args)
     if args.size < 1:
         raise UserError(f"--size must be at least 1, got {args.size}")
-    device = pick_gpu(args.device)
+    device = pick_gpu(one_device(args.devices, f"paratrain bench {args.micro}"))
     if device is None:
         print(f"paratrain bench placement: {NO_GPU}")
         return 0
@@ -191,7 +241,7 @@ def run_crossover(args: argparse.Namespace) -> int:
 
     _check_micro(args)
     sizes = parse_batch_sizes(args.sizes.replace(" ", "")) or []
-    device = pick_gpu(args.device)
+    device = pick_gpu(one_device(args.devices, f"paratrain bench {args.micro}"))
     if device is None:
         print(f"paratrain bench crossover: {NO_GPU}")
         return 0

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from paratrain.commands.bench_source import add_source_arguments, source_from_args
+from paratrain.commands.options import hidden_alias, one_device
 from paratrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -21,15 +22,22 @@ def register_loader(micro: Any) -> None:
     p = micro.add_parser(
         "loader",
         help="DataLoader num_workers x pin_memory: batches/s of the loader and of training",
+        description="Time the recipe's (or script's) DataLoader for every num_workers up to "
+        "--max-workers, with and without pin_memory: batches/s of the loader alone and of "
+        "training steps fed by it, and recommend the fastest setting.",
     )
     add_source_arguments(p)
     p.add_argument("--batch-size", type=int, help="default: the recipe's (32 for a script)")
-    p.add_argument("--device", help="where training steps run (default cuda:0 if any, else cpu)")
-    p.add_argument("--batches", type=int, default=30, help="timed batches per window (30)")
+    p.add_argument(
+        "--devices", help="the one device training steps run on (default cuda:0 if any, else cpu)"
+    )
+    hidden_alias(p, "--device", dest="devices")
+    p.add_argument("--steps", type=int, default=30, help="timed batches per window (30)")
+    hidden_alias(p, "--batches", dest="steps", type=int)
     p.add_argument("--warmup", type=int, default=3, help="untimed batches first (3)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per setting (3)")
     p.add_argument("--max-workers", type=int, help="largest num_workers (default: the cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and data (default 0)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -41,11 +49,11 @@ def _device(name: str | None) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise UserError(f"--device {name!r} is not a device (cpu, cuda:0, mps)") from None
+        raise UserError(f"--devices {name!r} is not a device (cpu, cuda:0, mps)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: this machine has no CUDA GPU; use --device cpu")
+        raise UserError(f"--devices {name}: this machine has no CUDA GPU; use --devices cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {name}: this machine has no Apple GPU; use --device cpu")
+        raise UserError(f"--devices {name}: this machine has no Apple GPU; use --devices cpu")
     return device
 
 
@@ -54,7 +62,7 @@ def run_loader(args: argparse.Namespace) -> int:
     from paratrain.bench.task import load_task
 
     for flag, value, least in (
-        ("--batches", args.batches, 1),
+        ("--steps", args.steps, 1),
         ("--warmup", args.warmup, 0),
         ("--repeats", args.repeats, 1),
         ("--batch-size", args.batch_size, 1),
@@ -63,7 +71,7 @@ def run_loader(args: argparse.Namespace) -> int:
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
     source = source_from_args(args)
-    device = _device(args.device)
+    device = _device(one_device(args.devices, "paratrain bench loader"))
     torch.manual_seed(args.seed)
     task = load_task(source, args.batch_size)
     batch_size = args.batch_size or task.default_batch_size
@@ -74,7 +82,7 @@ def run_loader(args: argparse.Namespace) -> int:
         )
     show = (lambda text: print(f"measuring {text}", file=sys.stderr)) if not args.json else None
     report = measure_loader(
-        task, device, batch_size, args.batches, args.warmup, args.repeats, args.max_workers, show
+        task, device, batch_size, args.steps, args.warmup, args.repeats, args.max_workers, show
     )
     if args.json:
         print(json.dumps({"source": source.name, **report.to_dict()}, indent=2))

@@ -10,22 +10,44 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from paratrain.errors import UserError
+
 SHOWN_TENSORS = 20  # without --all
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("ckpt", help="inspect and convert weights checkpoints")
+    parser = subparsers.add_parser(
+        "ckpt",
+        help="inspect and convert weights checkpoints",
+        description="Inspect a weights file (.safetensors, or a torch.save file such as "
+        "Lightning's .ckpt), a run directory or a checkpoint directory, or convert it to "
+        "plain-named weights. Nothing pickled is run: torch.load(weights_only=True).",
+    )
     sub = parser.add_subparsers(dest="ckpt_command", required=True, parser_class=type(parser))
 
-    inspect = sub.add_parser("inspect", help="tensors, size, prefixes and training state")
+    inspect = sub.add_parser(
+        "inspect",
+        help="tensors, size, prefixes and training state",
+        description="What a checkpoint holds: its format, tensors and their dtypes, size, "
+        "the key prefixes a wrapper added, and the training state (step, epoch) if any.",
+    )
     inspect.add_argument("path", help="a weights file, run directory or checkpoint directory")
     inspect.add_argument("--all", action="store_true", help="list every tensor")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(handler=run_inspect)
 
-    convert = sub.add_parser("convert", help="write plain-named weights (.safetensors or .pt)")
+    convert = sub.add_parser(
+        "convert",
+        help="write plain-named weights (.safetensors or .pt)",
+        description="Write the weights of SRC to DST with plain names (the module. of "
+        "DDP and DataParallel and the _orig_mod. of torch.compile removed), as "
+        ".safetensors or .pt.",
+    )
     convert.add_argument("src", help="a weights file, run directory or checkpoint directory")
-    convert.add_argument("dst", help="the file to write: .safetensors (recommended) or .pt/.pth")
+    convert.add_argument(
+        "dst", nargs="?", help="the file to write: .safetensors (recommended) or .pt/.pth"
+    )
+    convert.add_argument("--out", metavar="DST", help="the file to write, as DST (either one)")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     convert.add_argument(
         "--strip-prefix",
@@ -80,7 +102,13 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_convert(args: argparse.Namespace) -> int:
     from paratrain.checkpoint import convert_checkpoint
 
-    result = convert_checkpoint(args.src, args.dst, args.overwrite, args.strip_prefix)
+    if (args.dst is None) == (args.out is None):
+        what = "both DST and --out" if args.dst else "neither DST nor --out"
+        raise UserError(
+            f"{what} given: name the file to write once (see: paratrain ckpt convert --help)"
+        )
+    dst = args.dst if args.dst is not None else args.out
+    result = convert_checkpoint(args.src, dst, args.overwrite, args.strip_prefix)
     line = (
         f"wrote {result.destination} ({result.format}): {result.tensors} tensors, "
         f"{_size(result.bytes)}"

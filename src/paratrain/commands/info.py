@@ -8,7 +8,12 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("info", help="what this machine offers")
+    parser = subparsers.add_parser(
+        "info",
+        help="what this machine offers",
+        description="The versions of paratrain, torch and Python, the CPU cores, CUDA and "
+        "MPS, the distributed backends, and every device with its memory.",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(handler=run)
 

@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--chart", metavar="FILE.png", help="also draw the plan (needs matplotlib)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and data (default 0)")
     p.set_defaults(handler=run)
 
 

@@ -32,7 +32,7 @@ from paratrain.commands.launch_options import (
 )
 from paratrain.errors import UserError
 from paratrain.preemption import Stopped
-from paratrain.threads import choose_for
+from paratrain.threads import choose_for, say_note, started_note
 
 
 def register(subparsers: Any) -> None:
@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     nodes, tasks = slurm_nodes(args, built.num_processes)
     env = {STRATEGY_VARIABLE: built.name}
     # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
-    env.update(choose_for(built.num_processes).child_environment())
+    threads = choose_for(built.num_processes)
+    env.update(threads.child_environment())
     if devices is not None:
         env[DEVICES_VARIABLE] = devices
     try:
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             runpy.run_path(args.script, run_name="__main__")
             return 0
         entry = ["paratrain.entry", "run", args.script, *script_args]
+        say_note(started_note(threads, built.num_processes))
         run_agent(entry, built.num_processes, env, nodes, args.script)
     except Stopped as stop:
         requeue_on_stop(args, tasks, stop)

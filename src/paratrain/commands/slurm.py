@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from paratrain.commands import train
+from paratrain.commands.options import hidden_alias
 from paratrain.errors import UserError
 
 #: train options the script sets itself, or that would undo a requeue
@@ -45,7 +46,14 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="SIGUSR1 this long before the time limit: time for one step and a checkpoint",
     )
-    p.add_argument("--output", "-o", metavar="FILE", help="write here (default: print it)")
+    p.add_argument(
+        "--out",
+        "-o",
+        dest="output",
+        metavar="FILE",
+        help="write the script here (default: print it); the run's own --out goes after --",
+    )
+    hidden_alias(p, "--output", dest="output")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="options of paratrain train")
     p.set_defaults(handler=run)
 
@@ -125,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None:
         print(text, end="")
     else:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text, encoding="utf-8")
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
     return 0

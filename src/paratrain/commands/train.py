@@ -23,6 +23,7 @@ from paratrain.errors import UserError
 from paratrain.mlflow_logger import DEFAULT_URI, require_mlflow
 from paratrain.preemption import Stopped
 from paratrain.slurm import SlurmTasks
+from paratrain.threads import say_note, started_note
 
 if TYPE_CHECKING:  # `paratrain train --help` builds this parser without importing torch
     from paratrain.loop import Summary
@@ -53,7 +54,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         "layout) or each process's (as DDP, Horovod and Accelerate scripts mean it)",
     )
     p.add_argument("--lr", type=float, help="learning rate; default: the recipe's")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the initial weights, the data order and any random data (default 0)",
+    )
     p.add_argument("--precision", default="32", help="32, bf16 or fp16")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--sync-batchnorm", action="store_true", help="BatchNorm -> SyncBatchNorm")
@@ -132,7 +138,16 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("train", help="train a built-in recipe")
+    p = subparsers.add_parser(
+        "train",
+        help="train a built-in recipe",
+        description=(
+            "Train a built-in recipe (paratrain recipes) with the chosen strategy and devices. "
+            "Every option is checked before any process starts; the run directory (--out) "
+            "gets model.safetensors, config.json, metrics.jsonl and checkpoints/, and the "
+            "same command on a run that was stopped continues it."
+        ),
+    )
     add_training_arguments(p)
     p.add_argument("--out", help="output directory; default runs/<recipe>-<timestamp>")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -143,14 +158,24 @@ def register(subparsers: Any) -> None:
         "old run directory is renamed OUT.before-<time>",
     )
     p.add_argument(
-        "--save-every", type=int, metavar="N", help="also checkpoint every N optimizer steps"
-    )
-    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (3)")
-    p.add_argument(
         "--resume",
         metavar="DIR",
         help="continue the run in DIR from its newest checkpoint (or DIR/checkpoints/step-N)",
     )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(p)
+    add_launch_arguments(p)
+    # Every option left out stays None, so that --resume knows which ones were given.
+    p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """What a run writes and how it feeds its steps: `paratrain train`'s, and every trial's
+    of `paratrain tune`."""
+    p.add_argument(
+        "--save-every", type=int, metavar="N", help="also checkpoint every N optimizer steps"
+    )
+    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (3)")
     p.add_argument(
         "--data-path",
         metavar="PATH",
@@ -162,7 +187,6 @@ def register(subparsers: Any) -> None:
         metavar="GIB",
         help="data the device path may copy to each device (default: 1/4 of its free memory)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tensorboard", action="store_true", help="log metrics into OUT/tensorboard/")
     p.add_argument(
         "--mlflow",
@@ -179,9 +203,6 @@ def register(subparsers: Any) -> None:
         help="write a torch profiler trace of STEPS steps (after one warm-up step) into "
         "OUT/profile/ (TensorBoard, Perfetto)",
     )
-    add_launch_arguments(p)
-    # Every option left out stays None, so that --resume knows which ones were given.
-    p.set_defaults(handler=run, **dict.fromkeys(_OPTION_FIELDS))
 
 
 #: TrainConfig fields set by the option of the same name
@@ -250,6 +271,8 @@ def train_command(cfg: TrainConfig) -> int:
         directory = str(rundir.prepare(cfg.out, cfg.recipe, cfg.overwrite))
         cfg.out = directory
     rt = Runtime.from_config(cfg.runtime_config())
+    if not launched() and rt.strategy.num_processes > 1:
+        say_note(started_note(rt.threads, rt.strategy.num_processes))
     rt.launch(train_in_process, cfg, directory)
     return 0
 

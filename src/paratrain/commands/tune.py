@@ -9,7 +9,12 @@ from typing import Any
 
 from rich.console import Console
 
-from paratrain.commands.train import add_training_arguments, given_options
+from paratrain.commands.train import (
+    add_run_arguments,
+    add_training_arguments,
+    fetch_data,
+    given_options,
+)
 from paratrain.config import TrainConfig
 from paratrain.errors import UserError
 
@@ -30,6 +35,23 @@ _SEARCH_OPTIONS = (
     "overwrite",
 )
 
+_PLACED_BY_RAY = "Ray places the trials (--address spreads them over a cluster's machines)"
+_ENVIRONMENT = (
+    "it reaches a run's processes through the environment of `paratrain train`, which a "
+    "trial's Ray worker does not get"
+)
+#: options of `paratrain train` that make no sense in a trial: (is a flag, why refused)
+REFUSED: dict[str, tuple[bool, str]] = {
+    "--fresh": (True, "a search starts over with --overwrite"),
+    "--nnodes": (False, _PLACED_BY_RAY),
+    "--node-rank": (False, _PLACED_BY_RAY),
+    "--rdzv-endpoint": (False, _PLACED_BY_RAY),
+    "--max-restarts": (False, "a failed trial is not restarted; the search reports it as error"),
+    "--requeue": (True, "a search interrupted is continued with --resume, not a SLURM requeue"),
+    "--hang-timeout": (False, _ENVIRONMENT),
+    "--skip-nonfinite": (True, _ENVIRONMENT),
+}
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -38,10 +60,19 @@ def register(subparsers: Any) -> None:
         description=(
             "Run trials of a recipe with sampled hyper-parameters on Ray Tune (started here, "
             "or the cluster at --address); each trial is a paratrain training run of the "
-            "given strategy, reporting every epoch so that ASHA stops bad trials early."
+            "given strategy, reporting every epoch so that ASHA stops bad trials early. "
+            "Every option of `paratrain train` sets the trials' runs, except "
+            f"{', '.join(REFUSED)} (refused, saying why) and --resume, --out and "
+            "--overwrite, which here mean the search's."
         ),
     )
     add_training_arguments(p)
+    seed = next(action for action in p._actions if action.dest == "seed")
+    seed.help = "seeds the search and every trial's training (default 0)"
+    add_run_arguments(p)
+    for flag, (is_flag, _why) in REFUSED.items():
+        kind: dict[str, Any] = {"action": "store_true"} if is_flag else {}
+        p.add_argument(flag, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kind)
     p.add_argument(
         "--space",
         action="append",
@@ -70,12 +101,22 @@ def register(subparsers: Any) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
+    from paratrain.mlflow_logger import require_mlflow, tracking_uri
+    from paratrain.tensorboard_logger import require_tensorboard
     from paratrain.tune.settings import Resources, TuneSettings, checked
 
     given = given_options(args)
     given.pop("out", None)
     given.pop("overwrite", None)
     given.pop("progress", None)
+    # Trials run in Ray's workers, elsewhere than here: folders are made absolute.
+    if given.get("data_dir") is not None:
+        given["data_dir"] = str(Path(given["data_dir"]).expanduser().resolve())
+    if given.get("mlflow") is not None:
+        require_mlflow()
+        given["mlflow"] = tracking_uri(given["mlflow"])
+    if given.get("tensorboard"):
+        require_tensorboard()
     base = TrainConfig(**given)
     resources = Resources.for_config(base, args.cpus_per_trial, args.gpus_per_trial)
     settings = TuneSettings(
@@ -94,6 +135,13 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return checked(settings)
 
 
+def fetch_once(settings: Any) -> None:
+    """``--download``: the data is fetched here, once, before any trial starts (as
+    `paratrain train` does before its processes); the trials read the folder."""
+    if settings.base.download:
+        settings.base.data_dir = fetch_data(settings.base)
+
+
 def _resumed_settings(args: argparse.Namespace) -> tuple[Any, Path]:
     from paratrain.tune.report import read_report
     from paratrain.tune.settings import TuneSettings
@@ -109,16 +157,26 @@ def _resumed_settings(args: argparse.Namespace) -> tuple[Any, Path]:
     return TuneSettings.from_dict(read_report(out)["settings"]), out
 
 
+def refuse_train_only_options(args: argparse.Namespace) -> None:
+    """The options of `paratrain train` a trial cannot take: named, with why, in one line."""
+    given = [flag for flag in REFUSED if hasattr(args, flag.removeprefix("--").replace("-", "_"))]
+    if given:
+        reasons = "; ".join(f"{flag}: {REFUSED[flag][1]}" for flag in given)
+        raise UserError(f"paratrain tune takes no {reasons} (see: paratrain tune --help)")
+
+
 def run(args: argparse.Namespace) -> int:
     from paratrain.tune.engine import require_ray
     from paratrain.tune.report import prepare_out
     from paratrain.tune.search import recipe_search
 
+    refuse_train_only_options(args)
     if args.resume is not None:
         settings, out = _resumed_settings(args)
     else:
         settings = settings_from_args(args)
     require_ray()  # after the input is checked: bad input is found without Ray too
+    fetch_once(settings)
     if args.resume is None:
         out = prepare_out(args.out, settings.base.recipe, bool(args.overwrite))
     console = Console()

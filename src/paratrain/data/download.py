@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+from paratrain.atomic import current_umask
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR
 from paratrain.errors import UserError
 
@@ -73,12 +74,41 @@ def download_cifar10(
             f"{target} exists but lacks some of {', '.join(CIFAR_FILES)}; remove it and "
             "run again to download CIFAR-10 afresh"
         )
+    created = _missing_folders(root)  # removed again if the download fails
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the CIFAR-10 folder {root}: {exc.strerror}") from None
     if log is not None:
         log(f"downloading CIFAR-10 from {url} into {root}")
+    try:
+        return _download_into(root, target, url, md5)
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+
+
+def _missing_folders(root: Path) -> list[Path]:
+    """``root`` and those of its parents that do not exist yet, deepest first."""
+    missing: list[Path] = []
+    folder = root.absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """A failed download leaves no empty folder behind (one that gained files stays)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _download_into(root: Path, target: Path, url: str, md5: str) -> Path:
+    """Fetch, check and extract the archive into ``target``; the folder of the batches."""
     # The temporary folder sits beside the target so that the final rename stays on one
     # filesystem (atomic), and it goes away whatever happens.
     with tempfile.TemporaryDirectory(prefix=".cifar10-download-", dir=root) as tmp:
@@ -154,6 +184,15 @@ def check_member(member: tarfile.TarInfo, archive: Path) -> None:
         )
 
 
+def _data_within_umask(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+    """tarfile's "data" filter, and the modes the umask allows (as for any file paratrain
+    writes), not the archive's: a umask of 027 keeps the data from other users."""
+    filtered = tarfile.data_filter(member, path)
+    if filtered is None or filtered.mode is None:
+        return filtered
+    return filtered.replace(mode=filtered.mode & ~current_umask(), deep=False)
+
+
 def safe_extract(archive: Path, destination: Path) -> None:
     """Extract ``archive`` (.tar.gz) into ``destination`` after checking every member."""
     try:
@@ -164,7 +203,7 @@ def safe_extract(archive: Path, destination: Path) -> None:
             destination.mkdir(parents=True)
             # The "data" filter repeats the checks where Python has it (3.10.12+, 3.11.4+).
             if hasattr(tarfile, "data_filter"):
-                tar.extractall(destination, members=members, filter="data")
+                tar.extractall(destination, members=members, filter=_data_within_umask)
             else:  # pragma: no cover - older Pythons: the checks above are all there is
                 tar.extractall(destination, members=members)
     except UserError:

@@ -47,6 +47,7 @@ def save_quantized(
         "torchao": torchao,
         "state_dict": model.state_dict(),
     }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 

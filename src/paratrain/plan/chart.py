@@ -39,5 +39,6 @@ def write_plan_chart(plan: MemoryPlan, path: Path) -> bool:
     ax.set_title(f"{plan.model}, batch {plan.batch}, {plan.precision}: predicted memory")
     ax.tick_params(axis="x", labelrotation=45)
     ax.legend(fontsize="small")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
     return True

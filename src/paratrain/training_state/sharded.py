@@ -92,5 +92,6 @@ def save_model_weights(
     if state is not None:
         size = sum(t.numel() * t.element_size() for t in state.values())
         write = lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"})  # noqa: E731
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as rt.save does
         atomic_write(Path(path), write, size=size)
     collective.barrier()
