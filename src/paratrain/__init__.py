@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# first, for its side effect: the command's OpenMP threads sleep while they wait
+from paratrain import wait_policy  # noqa: F401
 from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
 from paratrain.errors import PlacementError, UserError
 from paratrain.export import load_quantized
