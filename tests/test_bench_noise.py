@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.bench.noise import MachineLoad, relative_spread, within_noise
+from paratrain.bench.noise import (
+    CLEAR_LOSER,
+    MachineLoad,
+    clear_losers,
+    relative_spread,
+    within_noise,
+)
 from paratrain.bench.progress import BenchProgress
 from paratrain.bench.recommend import Candidate, recommend
 from paratrain.bench.stats import spread
@@ -69,3 +75,16 @@ def test_progress_lines_where_stderr_is_not_a_terminal(capsys: pytest.CaptureFix
     with BenchProgress(enabled=False) as bar:
         bar.update("cpu 32 b32", 0, 3)
     assert capsys.readouterr().err == ""
+
+
+def test_only_clear_losers_stop_early() -> None:
+    leader = [1000.0, 1100.0, 900.0]
+    speeds = {
+        "leader": leader,
+        "close": [850.0, 1200.0],  # overlaps the leader: needs every window
+        "far": [100.0, 200.0, 300.0],  # below CLEAR_LOSER of the leader's worst in every one
+        "edge": [CLEAR_LOSER * 900.0, 10.0],  # its best equals the bar: kept
+        "once": [1.0],  # one window says too little
+    }
+    assert clear_losers(speeds) == ["far"]
+    assert clear_losers({"leader": leader}) == [] and clear_losers({}) == []
