@@ -176,3 +176,25 @@ def test_the_same_command_gives_the_same_weights_whatever_the_load(
     weights = (tmp_path / "quiet" / "model.safetensors").read_bytes()
     for run in ("busy", "resumed"):
         assert (tmp_path / run / "model.safetensors").read_bytes() == weights, run
+
+
+def test_the_command_waits_passively_a_script_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`python -m paratrain` and the `paratrain` script get OMP_WAIT_POLICY=PASSIVE before
+    torch is imported (OpenMP reads it then); a script importing paratrain keeps its own."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    from paratrain import wait_policy
+
+    for argv0, command in (("-m", True), ("/usr/bin/paratrain", True), ("train.py", False)):
+        monkeypatch.setattr(sys, "argv", [argv0])
+        assert wait_policy.is_the_command() is command
+    code = "import os, sys; sys.argv[0] = '-m'; import paratrain; "
+    code += "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["PASSIVE", "True"], done.stderr
