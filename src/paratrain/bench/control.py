@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+from paratrain.heartbeat import beat
+
 STOP = "stop"
 #: how often a waiting process looks for the next request (not part of any timed window)
 POLL_SECONDS = 0.01
@@ -49,6 +51,7 @@ def next_request(out_dir: Path, window: int) -> bool:
             return True
         if (out_dir / STOP).exists():
             return False
+        beat()  # waiting for the runner is no hang: the launcher's watchdog must not stop it
         time.sleep(POLL_SECONDS)
 
 
