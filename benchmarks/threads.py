@@ -135,7 +135,10 @@ def main() -> None:
         "setting's (goal >= 90%)"
     )
     for setting, seen in digests.items():  # the load must not reach the weights
-        same = "bit-identical" if len(seen - {""}) == 1 else f"{len(seen - {''})} different"
+        finished = seen - {""}  # "": a run that timed out
+        same = {0: "no run finished", 1: "bit-identical"}.get(
+            len(finished), f"{len(finished)} different"
+        )
         print(f"{setting}: final weights of every run, quiet and contended: {same}")
 
 
