@@ -6,7 +6,9 @@ Lightning Fabric when installed), same model and data on the CPU, interleaved ro
     python benchmarks/overhead.py --rounds 30
     python benchmarks/overhead.py --collective-check   # ddp on cpu,cpu: the order check's cost
 
-Prints one line per contender: median step time, spread, and the ratio to plain PyTorch.
+Prints one line per contender: median step time, spread, and the ratio to plain PyTorch
+(wall clock; with one thread also by this process's CPU time, which a busy machine's waits
+for a core do not inflate).
 ``paratrain`` sets the loader up with the default data path (``auto``: on the CPU, batches
 cut out of the TensorDataset by index); ``paratrain-loader`` keeps the DataLoader's
 per-sample path, which shows the runtime's own cost. ``--collective-check`` instead trains
@@ -77,7 +79,8 @@ def plain_pytorch(batch: int, steps: int) -> EpochFn:
 def paratrain_runtime(batch: int, steps: int, data_path: str = "auto") -> EpochFn:
     import paratrain
 
-    rt = paratrain.Runtime(strategy="cpu")
+    # the count main() set, for every contender alike (the runtime would choose its own)
+    rt = paratrain.Runtime(strategy="cpu", threads=torch.get_num_threads())
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = rt.setup(model, optimizer)
     device_loader = rt.setup_loader(loader, data_path=data_path)
@@ -197,28 +200,36 @@ def main() -> None:
             continue
         epochs[name] = build(args.batch, args.steps)
     times: dict[str, list[float]] = {name: [] for name in epochs}
+    # this process's CPU time too: on a busy machine the time spent waiting for a core is
+    # not the contender's, and wall-clock ratios then drift by several percent
+    cpu_times: dict[str, list[float]] = {name: [] for name in epochs}
     order = list(epochs)
     for round_index in range(args.warmup + args.rounds):
         random.shuffle(order)  # interleave: drift in machine speed hits every contender alike
         for name in order:
             gc.collect()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps = epochs[name]()
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if round_index >= args.warmup:
                 times[name].append(elapsed / steps)
+                cpu_times[name].append(elapsed_cpu / steps)
 
     print(
         f"# {cpu_name()}, {torch.get_num_threads()} thread(s), "
         f"torch {torch.__version__}, batch {args.batch}, {args.steps} steps x {args.rounds} rounds"
     )
     base = statistics.median(times["pytorch"])
+    cpu_base = statistics.median(cpu_times["pytorch"]) if args.threads == 1 else None
     for name, samples in times.items():
         median = statistics.median(samples)
+        cpu = ""
+        if cpu_base:  # one thread: CPU time is the step's own work
+            cpu = f", CPU time ratio {statistics.median(cpu_times[name]) / cpu_base:.3f}"
         print(
             f"{name:>16}: median step {median * 1e6:8.1f} us "
             f"(min {min(samples) * 1e6:.1f}, max {max(samples) * 1e6:.1f}), "
-            f"ratio {median / base:.3f}"
+            f"ratio {median / base:.3f}{cpu}"
         )
 
 

@@ -18,9 +18,11 @@ its quiet throughput is within 10% of the best setting's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 #: setting name -> (extra train arguments, environment changes; None removes a variable)
 SETTINGS: dict[str, tuple[list[str], dict[str, str | None]]] = {
@@ -38,6 +41,9 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str | None]]] = {
         {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None},
     ),
 }
+#: run as a script, not as the `paratrain` command (which sets OMP_WAIT_POLICY=PASSIVE)
+SPINNING = {"all cores, spinning (torch default)"}
+_AS_SCRIPT = "import sys; from paratrain.cli import main; sys.exit(main(sys.argv[1:]))"
 _SPEED = re.compile(r"\(([\d,]+) samples/s\)")
 
 
@@ -61,9 +67,10 @@ def competitors(count: int) -> Iterator[None]:
             proc.join()
 
 
-def train_once(setting: str, steps: int, out: str, timeout: float) -> float:
+def train_once(setting: str, steps: int, out: str, timeout: float) -> tuple[float, str]:
     """One training run in a fresh process; its samples/s (a run that takes longer than
-    ``timeout`` counts as the samples it had to train over ``timeout``: an upper bound)."""
+    ``timeout`` counts as the samples it had to train over ``timeout``: an upper bound) and
+    a digest of its final weights ("" when it timed out)."""
     extra, changes = SETTINGS[setting]
     env = dict(os.environ)
     for name, value in changes.items():
@@ -71,19 +78,23 @@ def train_once(setting: str, steps: int, out: str, timeout: float) -> float:
             env.pop(name, None)
         else:
             env[name] = value
-    command = [sys.executable, "-m", "paratrain", "train", "--strategy", "cpu"]
+    start = ["-c", _AS_SCRIPT] if setting in SPINNING else ["-m", "paratrain"]
+    command = [sys.executable, *start, "train", "--strategy", "cpu"]
     command += ["--max-steps", str(steps), "--out", out, "--overwrite", "--no-progress", *extra]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return steps * 32 / timeout  # digits' batch of 32
+        return steps * 32 / timeout, ""  # digits' batch of 32
     match = _SPEED.search(done.stdout)
     if done.returncode != 0 or match is None:
         raise SystemExit(f"{setting}: training failed:\n{done.stderr[-2000:]}")
-    return float(match.group(1).replace(",", ""))
+    weights = hashlib.sha256((Path(out) / "model.safetensors").read_bytes()).hexdigest()
+    return float(match.group(1).replace(",", "")), weights
 
 
 def main() -> None:
+    # killed: the competitors are ended too (the finally of their block runs)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
@@ -95,15 +106,19 @@ def main() -> None:
         f"digits, {args.steps} steps, {args.repeats} repeats, interleaved"
     )
     figures: dict[tuple[str, bool], list[float]] = {}
+    digests: dict[str, set[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for contended in (False, True):
                 for setting in SETTINGS:
                     if contended:
                         with competitors(args.competitors):
-                            speed = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
+                            speed, digest = train_once(
+                                setting, args.steps, f"{tmp}/run", args.timeout
+                            )
                     else:
-                        speed = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
+                        speed, digest = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
+                    digests.setdefault(setting, set()).add(digest)
                     figures.setdefault((setting, contended), []).append(speed)
                     state = "contended" if contended else "quiet"
                     print(f"  repeat {repeat + 1}: {setting}, {state}: {speed:,.0f} samples/s")
@@ -119,6 +134,12 @@ def main() -> None:
         f"competitor(s) (goal >= 50%); quiet {default_quiet / best_quiet:.0%} of the best "
         "setting's (goal >= 90%)"
     )
+    for setting, seen in digests.items():  # the load must not reach the weights
+        finished = seen - {""}  # "": a run that timed out
+        same = {0: "no run finished", 1: "bit-identical"}.get(
+            len(finished), f"{len(finished)} different"
+        )
+        print(f"{setting}: final weights of every run, quiet and contended: {same}")
 
 
 def ratio_of(figures: dict[tuple[str, bool], list[float]]) -> float:

@@ -68,9 +68,13 @@ def test_default_combos_are_every_available_strategy_at_native_precisions() -> N
     skipped = {c.strategy for c in combos if c.skip_reason is not None}
     precisions = default_precisions("cpu")
     assert precisions[0] == "32"
-    layouts = ("cpu", "ddp", "fsdp", "pipeline")
+    layouts = ("cpu", "ddp")
     assert runnable == {(s, p) for s in layouts for p in precisions}
-    assert {"cuda", "dp", "mps", "dp-balanced"} <= skipped
+    assert {"cuda", "dp", "mps", "dp-balanced", "fsdp", "pipeline"} <= skipped
+    fsdp = next(c for c in combos if c.strategy == "fsdp")
+    assert "cannot be faster than ddp" in str(fsdp.skip_reason)
+    named = enumerate_combos(["fsdp", "pipeline"], ["32"], [32], None)  # measured when named
+    assert all(c.skip_reason is None for c in named)
     balanced = next(c for c in combos if c.strategy == "dp-balanced")
     assert "test layout" in str(balanced.skip_reason)
     ddp = next(c for c in combos if c.strategy == "ddp")
@@ -96,6 +100,8 @@ def test_what_the_default_set_measures_by_machine() -> None:
     assert not_by_default("cuda", [GPU0], 1, cuda_devices=2) is None
     assert not_by_default("cpu", [CPU], 1, cuda_devices=0) is None
     assert not_by_default("ddp", [CPU, CPU], 2, cuda_devices=0) is None
+    assert not_by_default("fsdp", [GPU0, GPU1], 2, cuda_devices=2) is None  # memory on GPUs
+    assert "saves memory" in str(not_by_default("pipeline", [CPU, CPU], 2, cuda_devices=0))
     # CPU layouts on a machine with a GPU (one or more), or with MPS
     for gpus in (1, 2):
         assert "a CPU layout" in str(not_by_default("ddp", [CPU, CPU], 2, cuda_devices=gpus))

@@ -3,9 +3,17 @@ the noise is never called a winner, and a busy machine is said plainly."""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import pytest
 
-from paratrain.bench.noise import MachineLoad, relative_spread, within_noise
+from paratrain.bench.noise import (
+    CLEAR_LOSER,
+    MachineLoad,
+    clear_losers,
+    relative_spread,
+    within_noise,
+)
 from paratrain.bench.progress import BenchProgress
 from paratrain.bench.recommend import Candidate, recommend
 from paratrain.bench.stats import spread
@@ -69,3 +77,76 @@ def test_progress_lines_where_stderr_is_not_a_terminal(capsys: pytest.CaptureFix
     with BenchProgress(enabled=False) as bar:
         bar.update("cpu 32 b32", 0, 3)
     assert capsys.readouterr().err == ""
+
+
+def test_only_clear_losers_stop_early() -> None:
+    leader = [1000.0, 1100.0, 900.0]
+    speeds = {
+        "leader": leader,
+        "close": [850.0, 1200.0],  # overlaps the leader: needs every window
+        "far": [100.0, 200.0, 300.0],  # below CLEAR_LOSER of the leader's worst in every one
+        "edge": [CLEAR_LOSER * 900.0, 10.0],  # its best equals the bar: kept
+        "once": [1.0],  # one window says too little
+    }
+    assert clear_losers(speeds) == ["far"]
+    assert clear_losers({"leader": leader}) == [] and clear_losers({}) == []
+
+
+class _FakeWorker:
+    """A worker that times its windows from a table (samples/s by combination label)."""
+
+    speeds: ClassVar[dict[str, float]] = {}
+    calls: ClassVar[list[str]] = []
+
+    def __init__(self, spec: Any, processes: int, timeout: float) -> None:
+        self.spec, self.seconds = spec, []
+        layout = spec.strategy + ("x2" if processes > 1 else "")
+        self.label = f"{layout} {spec.precision} b{spec.batch_size}"
+
+    def wait_ready(self) -> bool:
+        return True
+
+    def window(self) -> float:
+        _FakeWorker.calls.append(self.label)
+        self.seconds.append(self.spec.steps * self.spec.batch_size / self.speeds[self.label])
+        return self.seconds[-1]
+
+    def finish(self) -> dict[str, Any]:
+        run = {"windows": len(self.seconds)}
+        return {"status": "ok", "seconds": self.seconds, "memory": {}, "run": run}
+
+    def kill(self) -> None:
+        pass
+
+
+def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runner's rounds (no processes: a worker that answers from a table)."""
+    from paratrain.bench import runner
+    from paratrain.bench.task import TaskSource
+
+    _FakeWorker.speeds = {
+        "cpu 32 b16": 1000.0,  # the leader
+        "cpu 32 b32": 980.0,  # within noise of it: two more windows each
+        "ddpx2 32 b16": 100.0,  # a clear loser: stopped after EARLIEST_STOP windows
+        "ddpx2 32 b32": 700.0,  # slower, not clearly: every window
+    }
+    _FakeWorker.calls = []
+    monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    settings = runner.BenchSettings(
+        TaskSource(recipe="digits"), ["cpu", "ddp"], ["32"], [16, 32], "cpu,cpu", steps=4
+    )
+    seen: list[tuple[str, int, int]] = []
+    report = runner.run_bench(settings, lambda what, done, total: seen.append((what, done, total)))
+    windows = {r.combo.label: len(r.seconds) for r in report.results}
+    assert windows == {"cpu 32 b16": 7, "cpu 32 b32": 7, "ddpx2 32 b16": 3, "ddpx2 32 b32": 5}
+    assert [r.combo.label for r in report.results if r.stopped_early] == ["ddpx2 32 b16"]
+    # round by round, each round starting one further along
+    assert _FakeWorker.calls[:8] == [
+        "cpu 32 b16", "cpu 32 b32", "ddpx2 32 b16", "ddpx2 32 b32",
+        "cpu 32 b32", "ddpx2 32 b16", "ddpx2 32 b32", "cpu 32 b16",
+    ]  # fmt: skip
+    assert report.recommendation.tie and report.recommendation.winner == "cpu 32 b16"
+    assert seen[-1] == ("done", seen[-1][2], seen[-1][2])
+    assert all(done <= total for _, done, total in seen)

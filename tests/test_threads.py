@@ -29,45 +29,54 @@ def keep_torch_threads() -> Iterator[None]:
 
 
 @pytest.mark.parametrize(
-    ("cores", "processes", "busy", "expected"),
+    ("cores", "processes", "expected"),
     [
-        (2, 1, 0.0, 2),  # quiet: every core
-        (2, 2, 0.0, 1),  # cores / processes
-        (8, 3, 0.0, 2),  # never more than the share: 3 x 2 <= 8
-        (1, 4, 0.0, 1),  # at least one
-        (2, 1, 1.0, 1),  # one competing process: only the free core
-        (2, 1, 5.0, 1),  # more busy than cores: still one
-        (16, 2, 4.0, 6),  # 12 free cores over 2 processes
-        (16, 2, 0.5, 7),  # a part-busy core is not free
+        (2, 1, 2),  # every core
+        (2, 2, 1),  # cores / processes
+        (8, 3, 2),  # never more than the share: 3 x 2 <= 8
+        (1, 4, 1),  # at least one
+        (16, 2, 8),
     ],
 )
-def test_threads_are_the_free_cores_divided_by_the_processes(
-    cores: int, processes: int, busy: float, expected: int
+def test_threads_are_the_cores_divided_by_the_processes(
+    cores: int, processes: int, expected: int
 ) -> None:
-    choice = choose_threads(cores, processes, busy)
+    choice = choose_threads(cores, processes)
     assert choice.threads == expected
     assert choice.threads * processes <= max(cores, processes)
     assert (choice.source, choice.wait_policy) == ("chosen", "PASSIVE")
     assert f"{expected} thread(s)" in choice.reason
 
 
+def test_the_count_never_follows_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load would change the count, and another count sums in another order."""
+    for name in ("OMP_NUM_THREADS", threads.CHOSEN_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    seen = set()
+    for busy in (0.0, 1.0, 3.0, 8.0):
+        monkeypatch.setattr(threads, "busy_cores", lambda *_, b=busy, **__: b)
+        seen.add(choose_for(2))
+    assert {c.threads for c in seen} == {2} and len(seen) == 1
+
+
 def test_an_explicit_count_wins_then_the_users_environment() -> None:
-    assert choose_threads(2, 1, 0.0, requested=3).threads == 3
-    assert choose_threads(2, 1, 0.0, requested=3, inherited="1").source == "threads"
-    given = choose_threads(2, 1, 1.0, inherited="2")
-    assert (given.threads, given.source) == (2, "OMP_NUM_THREADS")
+    assert choose_threads(2, 1, requested=3).threads == 3
+    assert choose_threads(2, 1, requested=3, inherited="1").source == "threads"
+    given = choose_threads(2, 1, inherited="1")
+    assert (given.threads, given.source) == (1, "OMP_NUM_THREADS")
     for junk in ("", "0", "two", "-1"):  # not a count: chosen as if unset
-        assert choose_threads(2, 1, 1.0, inherited=junk).source == "chosen"
+        assert choose_threads(2, 1, inherited=junk).source == "chosen"
 
 
 def test_the_choice_reaches_a_child_through_its_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    child = choose_threads(4, 2, 0.0).child_environment()
+    child = choose_threads(4, 2).child_environment()
     assert child["OMP_NUM_THREADS"] == "2" and child["OMP_WAIT_POLICY"] == "PASSIVE"
     for name, value in child.items():
         monkeypatch.setenv(name, value)
-    assert choose_for(2) == ThreadChoice(2, "PASSIVE", "chosen", choose_threads(4, 2, 0).reason)
+    assert choose_for(2) == ThreadChoice(2, "PASSIVE", "chosen", choose_threads(4, 2).reason)
     monkeypatch.delenv(threads.CHOSEN_VARIABLE)
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's wait policy is kept
@@ -129,3 +138,63 @@ def test_train_records_the_threads_in_config_json(
     assert main([*args, "--threads", "0", "--out", str(tmp_path / "bad")]) == 2
     assert "--threads must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def _train(out: Path, steps: int, *extra: str) -> dict[str, Any]:
+    argv = ["train", "--strategy", "cpu", "--epochs", "1", "--max-steps", str(steps)]
+    assert main([*argv, "--no-progress", "--out", str(out), *extra]) == 0
+    return dict(json.loads((out / "config.json").read_text())["runtime"]["threads"])
+
+
+def test_the_same_command_gives_the_same_weights_whatever_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--strategy cpu`` on 2 cores (simulated, as is the load): a quiet run, a run beside
+    other work that takes the cores before and during training, and a run stopped halfway
+    then resumed where only one core is left all train with 2 threads, bit for bit alike."""
+    for name in ("OMP_NUM_THREADS", threads.CHOSEN_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cores", lambda *_, **__: 0.0)
+    quiet = _train(tmp_path / "quiet", 6)
+    assert (quiet["threads"], quiet["source"]) == (2, "chosen")
+    capsys.readouterr()
+
+    waited = iter(range(0, 10_000, 10))  # the threads wait for a core all the time
+    monkeypatch.setattr(threads, "busy_cores", lambda *_, **__: 2.0)
+    monkeypatch.setattr(threads, "run_delay_seconds", lambda: float(next(waited)))
+    monkeypatch.setattr(threads.ContentionGuard, "INTERVAL", 0.0)
+    assert _train(tmp_path / "busy", 6) == quiet
+    note = capsys.readouterr().err
+    assert "this run keeps its 2 intra-op threads" in note and note.count("cores busy") == 1
+
+    _train(tmp_path / "resumed", 3)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 1)  # resumed on a smaller machine
+    assert main(["train", "--resume", str(tmp_path / "resumed"), "--max-steps", "6"]) == 0
+    config = json.loads((tmp_path / "resumed" / "config.json").read_text())
+    assert config["runtime"]["threads"]["threads"] == 2 and config["config"]["threads"] == 2
+    weights = (tmp_path / "quiet" / "model.safetensors").read_bytes()
+    for run in ("busy", "resumed"):
+        assert (tmp_path / run / "model.safetensors").read_bytes() == weights, run
+
+
+def test_the_command_waits_passively_a_script_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`python -m paratrain` and the `paratrain` script get OMP_WAIT_POLICY=PASSIVE before
+    torch is imported (OpenMP reads it then); a script importing paratrain keeps its own."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    from paratrain import wait_policy
+
+    for argv0, command in (("-m", True), ("/usr/bin/paratrain", True), ("train.py", False)):
+        monkeypatch.setattr(sys, "argv", [argv0])
+        assert wait_policy.is_the_command() is command
+    code = "import os, sys; sys.argv[0] = '-m'; import paratrain; "
+    code += "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["PASSIVE", "True"], done.stderr

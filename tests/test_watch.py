@@ -54,16 +54,18 @@ def test_flops_are_counted_on_a_copy_leaving_model_and_generators_alone() -> Non
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_contention_guard_drops_to_one_thread_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_contention_guard_says_so_once_and_keeps_the_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     delays = iter([0.0, 0.0, 5.0])  # quiet, then waiting for cores most of the time
     monkeypatch.setattr(threads, "run_delay_seconds", lambda: next(delays))
     torch.set_num_threads(2)
     guard = threads.ContentionGuard(2, interval=0.0)
     assert guard.check() is None and torch.get_num_threads() == 2
     note = guard.check()
-    assert note is not None and note.endswith("intra-op threads 2 -> 1")
-    assert torch.get_num_threads() == 1 and guard.check() is None
-    assert threads.ContentionGuard(1).check() is None  # one thread: nothing to drop
+    assert note is not None and "keeps its 2 intra-op threads" in note
+    assert torch.get_num_threads() == 2 and guard.check() is None  # the same sums, said once
+    assert threads.ContentionGuard(1).check() is None  # one thread: nothing to say
 
 
 def test_metrics_trace_tensorboard_and_mlflow_of_a_run(
@@ -82,10 +84,9 @@ def test_metrics_trace_tensorboard_and_mlflow_of_a_run(
     assert per_sample is not None and train["flops_per_sample"] == per_sample / 32
     assert train["samples_per_second"] > 0 and 0 < train["mfu"] < 1
     assert train["mfu_peak"]["source"] == "matmul probe"  # the CPU: measured, said so
-    # the threads it trained with: those chosen for the cores and the load, or one where the
-    # contention guard found other work taking the cores mid-run (threads.py)
+    # the threads it trained with: those recorded, whatever the load did mid-run (threads.py)
     chosen = json.loads((out / "config.json").read_text())["runtime"]["threads"]["threads"]
-    assert train["peak_memory_bytes"]["cpu"] > 0 and 1 <= train["threads"] <= chosen
+    assert train["peak_memory_bytes"]["cpu"] > 0 and train["threads"] == chosen
     # the profiler trace (Chrome trace format: TensorBoard and Perfetto open it)
     (trace,) = (out / "profile").glob("rank0.*.pt.trace.json")
     names = {event["name"] for event in json.loads(trace.read_text())["traceEvents"]}

@@ -7,6 +7,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+# first, for its side effect: the command's OpenMP threads sleep while they wait
+from paratrain import wait_policy  # noqa: F401
 from paratrain.errors import PlacementError, UserError
 from paratrain.version import __version__
 

@@ -18,6 +18,9 @@ import torch
 ReduceOp = str  # "sum" | "mean" | "max" | "min"
 
 
+#: one shared do-nothing context (it holds no state): no object made per step
+_NOTHING = contextlib.nullcontext()
+
 class Collective:
     """Collectives of a one-process run: every operation returns its input."""
 
@@ -44,7 +47,7 @@ class Collective:
     def operation(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Around one of the runtime's collectives, ``name`` as the user calls it: several
         processes number them and compare (:mod:`paratrain.collective_order`)."""
-        return contextlib.nullcontext()
+        return _NOTHING
 
     def note(self, message: str) -> None:
         """A remark for the user on standard error, from the main process only."""

@@ -110,19 +110,24 @@ def beat() -> None:
             _heart.beat()
 
 
-@contextlib.contextmanager
-def waiting() -> Iterator[None]:
+def waiting() -> contextlib.AbstractContextManager[None]:
     """Around work that waits for the other ranks (a step's backward and collectives): the
-    watchdog then blames a rank that is not waiting."""
+    watchdog then blames a rank that is not waiting. Unwatched, a shared do-nothing context:
+    it sits in every training step."""
     beat()
-    if _heart is None:
-        yield
-        return
-    _heart.beat(waiting=1)
+    return _NOTHING if _heart is None else _waiting(_heart)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _waiting(heart: _Heart) -> Iterator[None]:
+    heart.beat(waiting=1)
     try:
         yield
     finally:
-        _heart.beat()
+        heart.beat()
 
 
 def read_beats(directory: Path) -> list[Beat]:

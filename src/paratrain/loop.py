@@ -182,7 +182,7 @@ def train(
     clock = LoopClock(rt.device)
     watch = RunWatch(rt)  # throughput, MFU, peak memory
     profiler = StepProfiler(directory, cfg.profile, rt.rank)
-    # other work that starts later: one thread (a count the user set is left alone)
+    # other work that starts later is said once; the thread count stays (threads.py)
     contention = ContentionGuard(torch.get_num_threads() if rt.threads.source == "chosen" else 1)
     rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures

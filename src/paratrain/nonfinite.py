@@ -77,7 +77,7 @@ class NonFiniteCheck:
         if (
             collective.world_size == 1
             and self._pending is None
-            and loss.device.type == "cpu"  # reading it costs no device sync
+            and loss.is_cpu  # reading it costs no device sync (no torch.device made)
             and math.isfinite(loss.item())
         ):
             return True  # one process, a finite loss: nothing to agree on, no tensor to make

@@ -6,8 +6,9 @@ may change only what does not alter the training already done: ``--epochs`` and
 data position is a global batch index, the same in every layout), ``--data-dir`` (the same
 data moved), ``--data-path`` and ``--device-budget-gib`` (the same batches made another
 way), ``--save-every``, ``--keep``, ``--no-progress``, ``--deterministic``, ``--compile``,
-``--[no-]channels-last``, ``--download`` and ``--tensorboard``. Any other option that differs
-from the run's stops before training with a message naming each difference.
+``--[no-]channels-last``, ``--download``, ``--tensorboard`` and ``--threads``. Any other option
+that differs from the run's stops before training with a message naming each difference.
+Without ``--threads`` a resumed run uses the intra-op thread count the run recorded.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CHANGEABLE = frozenset(
         "channels_last",
         "download",
         "tensorboard",
+        "threads",  # the last bits of what follows, not what was trained (threads.py)
     }
 )
 
@@ -144,12 +146,32 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
     cfg = dataclasses.replace(
         saved, **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)
     ).resolved(get_recipe)
+    cfg = _recorded_threads(cfg, saved, payload, "threads" in given)
     state = read_state(checkpoint)
     _check_checkpoint(cfg, checkpoint, state)
     _check_processes(cfg, state, checkpoint)
     _check_newer(run_dir, checkpoint)
     _check_work_left(cfg, state, payload.get("status"), checkpoint)
     return cfg
+
+
+def _recorded_threads(
+    cfg: TrainConfig, saved: TrainConfig, payload: dict[str, Any], given: bool
+) -> TrainConfig:
+    """The resumed run trains with the intra-op threads the run recorded (another count
+    sums in another order: the weights would depend on the machine the resume runs on),
+    unless ``--threads`` is given or the layout changed its number of processes."""
+    if given or cfg.threads is not None:
+        return cfg
+    runtime = payload.get("runtime")
+    recorded = runtime.get("threads") if isinstance(runtime, dict) else None
+    count = recorded.get("threads") if isinstance(recorded, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return cfg  # a run from before the count was recorded: chosen again
+    before = build_strategy(saved.strategy, saved.devices).num_processes
+    if build_strategy(cfg.strategy, cfg.devices).num_processes != before:
+        return cfg  # another layout sums in another order anyway: chosen for it
+    return dataclasses.replace(cfg, threads=count)
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:

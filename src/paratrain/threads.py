@@ -5,12 +5,14 @@ spin while they wait. With one other busy process on the machine a spinning thre
 for a core it does not have, and a small model trains ~100x slower (2 cores, digits:
 108 samples/s instead of ~11,000). So paratrain chooses:
 
-* the cores this process may use, divided by the processes of the run, never more;
-* where other processes keep cores busy when the run starts, only the cores left free
-  (one thread at least): a thread that must wait for a core stalls every parallel region;
-* ``OMP_WAIT_POLICY=PASSIVE`` for the processes it starts (read by OpenMP when torch is
-  imported, so only a child can get it): a waiting thread sleeps instead of spinning, so
-  a machine that gets busy later costs a few times, not a hundred.
+* the cores this process may use, divided by the processes of the run, never more. Not
+  the machine's load: a different thread count sums in another order (the weights' last
+  bits differ, ~1e-7), so a count that followed the load would make the same command
+  give different weights on a busy and on a quiet machine. The count is fixed for the
+  whole run, recorded in ``config.json``, and a resumed run uses the recorded count;
+* ``OMP_WAIT_POLICY=PASSIVE`` for the processes it starts and for the one ``paratrain``
+  runs in (read by OpenMP when torch is imported): a waiting thread sleeps instead of
+  spinning, so a machine that is or gets busy costs a few times, not a hundred.
 
 An explicit choice wins: ``threads`` (``--threads``, ``Runtime(threads=...)``), then
 ``OMP_NUM_THREADS`` set by the user.
@@ -76,34 +78,23 @@ def say_note(note: str | None) -> None:
 def choose_threads(
     cores: int,
     processes: int,
-    busy: float,
     requested: int | None = None,
     inherited: str | None = None,
 ) -> ThreadChoice:
-    """The thread count for each of ``processes`` processes on ``cores`` usable cores while
-    ``busy`` cores run other work (a pure function: the measuring is done by the caller).
+    """The thread count for each of ``processes`` processes on ``cores`` usable cores (a
+    pure function of the machine's cores and the run's layout, never of the load).
 
     ``requested``: an explicit count (wins); ``inherited``: ``OMP_NUM_THREADS`` as the user
     set it (wins over the choice when it is a positive integer).
     """
     cores, processes = max(1, cores), max(1, processes)
-    share = max(1, cores // processes)
-    free = max(0.0, cores - busy)
-    contended = free < share * processes
     if requested is not None:
         return ThreadChoice(requested, PASSIVE, "threads", f"{requested} as asked")
     if inherited is not None and inherited.strip().isdigit() and int(inherited) > 0:
         count = int(inherited)
         return ThreadChoice(count, PASSIVE, "OMP_NUM_THREADS", f"OMP_NUM_THREADS={count}")
-    if contended:
-        threads = max(1, min(share, int(free) // processes))
-        reason = (
-            f"{cores} cores, {busy:.1f} busy with other work, {processes} process(es): "
-            f"{threads} thread(s) each"
-        )
-    else:
-        threads = share
-        reason = f"{cores} cores / {processes} process(es): {threads} thread(s) each"
+    threads = max(1, cores // processes)
+    reason = f"{cores} cores / {processes} process(es): {threads} thread(s) each"
     return ThreadChoice(threads, PASSIVE, "chosen", reason)
 
 
@@ -147,13 +138,12 @@ def inherited_choice() -> ThreadChoice | None:
 
 
 def choose_for(processes: int, requested: int | None = None) -> ThreadChoice:
-    """The choice for a run of ``processes`` processes started from this one, measured now."""
+    """The choice for a run of ``processes`` processes started from this one."""
     inherited = inherited_choice()
     if requested is None and inherited is not None:
         return inherited
     given = os.environ.get("OMP_NUM_THREADS")
-    busy = 0.0 if requested is not None or given else busy_cores()  # measured when needed
-    choice = choose_threads(usable_cores(), processes, busy, requested, given)
+    choice = choose_threads(usable_cores(), processes, requested, given)
     policy = os.environ.get("OMP_WAIT_POLICY")
     return dataclasses.replace(choice, wait_policy=policy) if policy else choice
 
@@ -179,21 +169,25 @@ def run_delay_seconds() -> float | None:
 
 
 class ContentionGuard:
-    """Drops this process to one intra-op thread when its threads wait for cores, checked
-    every ``interval`` seconds: other work that starts after the run did (an indexer, a
-    test suite) would otherwise stall every parallel region. One way: it never goes back."""
+    """Says once, on stderr, when this process's threads keep waiting for cores (other
+    work that started after the run: an indexer, a test suite), checked every
+    ``interval`` seconds. It never changes the thread count: one thread sums in another
+    order, and the weights would then depend on when the machine got busy. Sleeping
+    waiters (``OMP_WAIT_POLICY=PASSIVE``) keep such a run from collapsing."""
 
     #: share of the time a thread waited for a core, above which the cores are contended
     THRESHOLD = 0.25
+    #: seconds between looks
+    INTERVAL = 1.0
 
-    def __init__(self, threads: int, interval: float = 1.0) -> None:
+    def __init__(self, threads: int, interval: float | None = None) -> None:
         self.threads = threads
-        self.interval = interval
+        self.interval = self.INTERVAL if interval is None else interval
         self._last = time.perf_counter()
         self._delay = run_delay_seconds() if threads > 1 else None
 
     def check(self) -> str | None:
-        """Call often (a clock read); returns a note once, when it drops the threads."""
+        """Call often (a clock read); returns a note once, when the cores are contended."""
         if self._delay is None:
             return None
         now = time.perf_counter()
@@ -203,18 +197,14 @@ class ContentionGuard:
         if delay is None:
             self._delay = None
             return None
-        waited = (delay - self._delay) / ((now - self._last) * self.threads)
+        waited = (delay - self._delay) / (max(now - self._last, 1e-9) * self.threads)
         self._last, self._delay = now, delay
         if waited < self.THRESHOLD:
             return None
-        import torch
-
-        torch.set_num_threads(1)
-        self._delay, before, self.threads = None, self.threads, 1
-        # One thread sums in another order: the weights' last bits now differ from a run
-        # that kept its threads. Said here, so that nobody takes it for a different model.
+        self._delay = None  # said once
         return (
             f"other work keeps this machine's cores busy (threads waited {waited:.0%} of the "
-            f"time for one; the weights' last bits will differ from a run at {before} threads, "
-            f"--threads N keeps the count fixed): intra-op threads {before} -> 1"
+            f"time for one): this run keeps its {self.threads} intra-op threads so that its "
+            "weights do not depend on the machine's load; --threads 1 trains faster beside "
+            "other work (its last bits differ from a run at another count)"
         )

@@ -198,7 +198,8 @@ def not_by_default(
     Left out: CPU layouts on a machine with a GPU; a layout for several devices (dp,
     dp-balanced, ddp) on a machine with one CUDA GPU, where it runs on that GPU alone (the
     cuda layout plus its own overhead); one process driving the same device twice (threads
-    sharing one CPU). Each stays measurable by naming it in ``--strategies``.
+    sharing one CPU); fsdp and pipeline on CPU processes (:data:`MEMORY_LAYOUTS`). Each
+    stays measurable by naming it in ``--strategies``.
     """
     hint = "name it in --strategies to measure it"
     if (cuda_devices > 0 or mps) and devices[0].type == "cpu":
@@ -212,7 +213,21 @@ def not_by_default(
         )
     if processes == 1 and len(set(devices)) < len(devices):
         return f"one process repeating a device is a test layout, not a speed-up; {hint}"
+    if name in MEMORY_LAYOUTS and devices[0].type == "cpu":
+        return (
+            f"on CPU processes {MEMORY_LAYOUTS[name]}: it cannot be faster than ddp on the "
+            f"same processes, it saves memory; {hint}"
+        )
     return None
+
+
+#: layouts that trade speed for memory: the same work as ddp, more communication or idle
+#: stages. Where the CPU's processes share one machine's memory they cannot win (cut from
+#: the default set to keep it short); on GPUs they stay, memory is what they are for.
+MEMORY_LAYOUTS = {
+    "fsdp": "fsdp gathers every layer's parameters in each forward and backward",
+    "pipeline": "pipeline stages wait for each other (the bubble)",
+}
 
 
 def _precision_reason(precision: str, strategy: Strategy) -> str | None:

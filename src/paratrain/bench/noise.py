@@ -11,7 +11,7 @@ import os
 import shutil
 import statistics
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +38,23 @@ def within_noise(winner: Spread, runner_up: Spread) -> bool:
     if runner_up.median > 0 and difference / runner_up.median < NOISE_FLOOR:
         return True
     return winner.overlaps(runner_up) or difference < min(winner.width, runner_up.width)
+
+
+#: a combination whose fastest window is slower than this share of the leader's slowest
+#: window cannot win: it is stopped early (its windows so far stay in the report)
+CLEAR_LOSER = 0.6
+
+
+def clear_losers(speeds: Mapping[str, Sequence[float]]) -> list[str]:
+    """The combinations, of those with at least two windows (samples/s each), that are
+    slower in their best window than ``CLEAR_LOSER`` times the leader (the best median)
+    in its worst: far outside any noise, so more windows would not change the verdict."""
+    measured = {label: s for label, s in speeds.items() if len(s) >= 2}
+    if len(measured) < 2:
+        return []
+    leader = max(measured, key=lambda label: statistics.median(measured[label]))
+    bar = CLEAR_LOSER * min(measured[leader])
+    return [label for label, s in measured.items() if label != leader and max(s) < bar]
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ def result_dict(result: RunResult) -> dict[str, Any]:
         "gathered_bytes_per_step": result.gathered_bytes_per_step,
         "runtime": result.runtime,
         "runs": result.runs,
+        "stopped_early": result.stopped_early,
     }
     if result.traceback:
         data["traceback"] = result.traceback
@@ -132,7 +133,7 @@ def build_table(report: BenchReport) -> Table:
         mark = "* " if result.combo.label == winner else ""
         table.add_row(
             f"{mark}{result.combo.label}",
-            result.status + (" x2" if result.retimed_seconds else ""),
+            result.status + (" (stopped early)" if result.stopped_early else ""),
             f"{spread(sps).median:,.0f}" if sps else "-",
             f"{min(sps):,.0f}-{max(sps):,.0f}" if sps else "-",
             "-" if step_ms is None else f"{step_ms:.2f}",
@@ -161,10 +162,11 @@ def notes(report: BenchReport) -> list[str]:
 def print_report(report: BenchReport, console: Console) -> None:
     console.print(build_table(report))
     console.print(
-        "samples/s: median over the timed windows (min-max); x2: timed again in a fresh "
-        "process; memory: peak per GPU, else peak RSS per process; state/proc: parameters "
-        "+ gradients + optimizer state of one process (fsdp: its shards); gathered: bytes "
-        "brought to the first device per step",
+        "samples/s: median over the timed windows (min-max), interleaved round by round with "
+        "the other combinations'; stopped early: slower in every window than the leader in "
+        "any, so not timed further; memory: peak per GPU, else peak RSS per process; "
+        "state/proc: parameters + gradients + optimizer state of one process (fsdp: its "
+        "shards); gathered: bytes brought to the first device per step",
         style="dim",
     )
     for line in notes(report):

@@ -1,27 +1,30 @@
-"""Run every combination, each in a fresh process, then time the top two again."""
+"""Run every combination, each in a fresh worker process that stays for all its windows;
+the windows are interleaved, combination by combination, round by round."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from paratrain.bench.combos import Combo, enumerate_combos
-from paratrain.bench.noise import MachineLoad, cores, gpu_processes, load_average, load_sample
+from paratrain.bench.noise import (
+    MachineLoad,
+    clear_losers,
+    cores,
+    gpu_processes,
+    load_average,
+    load_sample,
+    within_noise,
+)
+from paratrain.bench.process import WorkerProcess
 from paratrain.bench.recommend import Candidate, Recommendation, recommend
 from paratrain.bench.stats import spread, throughputs
 from paratrain.bench.task import TaskSource, check_task
-from paratrain.bench.worker import WORKER_CODE, RunSpec, collect
+from paratrain.bench.worker import RunSpec
 
 
 @dataclass
@@ -33,9 +36,10 @@ class BenchSettings:
     devices: str | None = None
     steps: int = 30
     warmup: int = 5
-    repeats: int = 3
+    repeats: int = 5
     seed: int = 0
     timeout: float = 600.0
+    #: two leaders within noise of each other get EXTRA_WINDOWS more windows each
     retime: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -69,6 +73,8 @@ class RunResult:
     runtime: dict[str, Any] | None = None
     traceback: str | None = None
     runs: list[dict[str, Any]] = field(default_factory=list)  # start/end of each process run
+    #: a clear loser (bench.noise.clear_losers): not timed after its first windows
+    stopped_early: bool = False
 
     @property
     def samples_per_step(self) -> int:
@@ -102,79 +108,16 @@ class BenchReport:
     load: MachineLoad = field(default_factory=lambda: MachineLoad(cores()))
 
 
-_LAUNCHER_VARIABLES = frozenset(
-    (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-)
-
-#: called with (what is running now, how many runs are done, how many in all)
+#: called with (what is running now, how many steps of the bench are done, how many in all)
 ProgressFn = Callable[[str, int, int], None]
+#: a clear loser is stopped after this many windows at the earliest
+EARLIEST_STOP = 3
+#: windows added for the two leaders when their first ones are within noise of each other
+EXTRA_WINDOWS = 2
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def run_worker(spec: RunSpec, processes: int, timeout: float) -> dict[str, Any]:
-    """Run ``spec`` in a fresh interpreter (which starts its own process group if needed)."""
-    with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
-        out_dir = Path(tmp) / "out"
-        out_dir.mkdir()
-        started, begin = _now(), time.perf_counter()
-        command = [sys.executable, "-c", WORKER_CODE, str(spec_path), str(out_dir)]
-        # A bench started inside a launched group must not make its workers think they are
-        # ranks of that group.
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        # set before the worker imports torch; its runtime chooses the thread count
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        # A session of its own: on a timeout the whole group (launched ranks too) is ended.
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        timed_out = False
-        try:
-            _, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            _, stderr = proc.communicate()
-        except BaseException:  # Ctrl-C reaches only our group: end the worker's too
-            _kill_group(proc)
-            proc.wait()
-            raise
-        result = collect(out_dir, processes)
-        if timed_out:
-            result.update(status="error", reason=f"timed out after {timeout:.0f}s")
-        elif result["status"] == "error" and not result.get("reason"):
-            tail = [line for line in (stderr or "").strip().splitlines() if line.strip()]
-            result["reason"] = tail[-1][:300] if tail else f"worker exited with {proc.returncode}"
-        result["run"] = {
-            "started_at": started,
-            "finished_at": _now(),
-            "wall_seconds": time.perf_counter() - begin,
-            "returncode": proc.returncode,
-        }
-        return result
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """End the worker and every process it started (they share its session)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
@@ -191,12 +134,8 @@ def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
     )
 
 
-def _apply(result: RunResult, outcome: dict[str, Any], retime: bool) -> None:
+def _apply(result: RunResult, outcome: dict[str, Any]) -> None:
     result.runs.append(outcome["run"])
-    if retime:
-        if outcome["status"] == "ok":
-            result.retimed_seconds = list(outcome["seconds"])
-        return
     result.status = outcome["status"]
     result.reason = outcome.get("reason")
     result.memory = outcome.get("memory", {})
@@ -205,16 +144,69 @@ def _apply(result: RunResult, outcome: dict[str, Any], retime: bool) -> None:
         result.seconds = list(outcome["seconds"])
         result.gathered_bytes_per_step = outcome.get("gathered_bytes_per_step")
         result.runtime = outcome.get("runtime")
+        if not result.seconds:
+            result.status, result.reason = "error", "no window was timed"
 
 
-def top_two(results: list[RunResult]) -> list[RunResult]:
-    ok = [r for r in results if r.status == "ok" and r.samples_per_second()]
-    ok.sort(key=lambda r: spread(r.samples_per_second()).median, reverse=True)
-    return ok[:2]
+def _speeds(result: RunResult, steps: int) -> list[float]:
+    return throughputs(result.seconds, steps * result.combo.batch_size)
+
+
+class _Session:
+    """The workers of one bench and the progress count."""
+
+    def __init__(self, settings: BenchSettings, progress: ProgressFn | None, total: int):
+        self.settings, self.progress, self.total, self.done = settings, progress, total, 0
+        self.workers: dict[int, WorkerProcess] = {}
+
+    def say(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what, self.done, self.total)
+
+    def start(self, results: list[RunResult]) -> list[RunResult]:
+        """Start every worker, as many at a time as there are cores (starting is CPU work:
+        importing torch, building, warming up); the ones that got ready, in order."""
+        ready: list[RunResult] = []
+        at_once = max(1, cores())
+        for first in range(0, len(results), at_once):
+            group = results[first : first + at_once]
+            for result in group:
+                spec = _spec(self.settings, result.combo)
+                result.spec = spec.to_dict()
+                self.workers[id(result)] = WorkerProcess(
+                    spec, result.combo.processes, self.settings.timeout
+                )
+            for result in group:
+                self.say(f"starting {result.combo.label}")
+                if self.workers[id(result)].wait_ready():
+                    ready.append(result)
+                self.done += 1
+        return ready
+
+    def window(self, result: RunResult, label: str) -> bool:
+        self.say(label)
+        seconds = self.workers[id(result)].window()
+        self.done += 1
+        if seconds is None:
+            return False
+        result.seconds.append(seconds)
+        return True
+
+    def finish(self, results: list[RunResult]) -> None:
+        for result in results:
+            worker = self.workers.pop(id(result), None)
+            if worker is not None:
+                _apply(result, worker.finish())
+
+    def kill(self) -> None:
+        for worker in self.workers.values():
+            worker.kill()
 
 
 def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> BenchReport:
-    """Measure every combination; the top two are timed again before recommending."""
+    """Measure every combination: one worker process each, its windows interleaved with
+    the others' round by round; clear losers stop early, and two leaders within noise of
+    each other get ``EXTRA_WINDOWS`` more each before recommending."""
     started_at, begin = _now(), time.perf_counter()
     train_samples, batch_sizes = check_task(settings.source, settings.batch_sizes)
     combos = enumerate_combos(
@@ -226,27 +218,42 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     ]
     pending = [r for r in results if r.status == "pending"]
     averages, busy = [load_average()], [load_sample()]  # before any worker: others' work
-    # Two re-timings are expected; fewer happen when fewer than two runs succeed.
-    total, done = len(pending) + (2 if settings.retime and len(pending) > 1 else 0), 0
-    for result in pending:
-        if progress is not None:
-            progress(result.combo.label, done, total)
-        spec = _spec(settings, result.combo)
-        result.spec = spec.to_dict()
-        _apply(result, run_worker(spec, result.combo.processes, settings.timeout), False)
-        busy.append(load_sample())  # between runs: none of the bench's processes run
-        done += 1
-    leaders = top_two(results) if settings.retime else []
-    if len(leaders) == 2:
-        for result in leaders:
-            if progress is not None:
-                progress(f"{result.combo.label} (again)", done, total)
-            spec = _spec(settings, result.combo)
-            _apply(result, run_worker(spec, result.combo.processes, settings.timeout), True)
+    session = _Session(settings, progress, len(pending) * (1 + settings.repeats))
+    try:
+        alive = session.start(pending)
+        busy.append(load_sample())  # the workers wait (they sleep): others' work
+        for round_ in range(settings.repeats):
+            shift = round_ % max(1, len(alive))  # nobody always goes first
+            for result in [*alive[shift:], *alive[:shift]]:
+                label = f"{result.combo.label} window {round_ + 1}/{settings.repeats}"
+                if not session.window(result, label):
+                    alive.remove(result)
             busy.append(load_sample())
-            done += 1
-    if progress is not None:
-        progress("done", done, done)
+            speeds = {r.combo.label: _speeds(r, settings.steps) for r in alive}
+            # from the third window on: two windows of a busy machine can mislead
+            early = EARLIEST_STOP <= round_ + 1 < settings.repeats
+            losers = clear_losers(speeds) if early else []
+            for result in [r for r in alive if r.combo.label in losers]:
+                result.stopped_early = True
+                alive.remove(result)
+                session.done += settings.repeats - round_ - 1  # the windows it skips
+        leaders = sorted(
+            alive, key=lambda r: spread(_speeds(r, settings.steps)).median, reverse=True
+        )[:2]
+        if settings.retime and len(leaders) == 2:
+            first, second = (spread(_speeds(r, settings.steps)) for r in leaders)
+            if within_noise(first, second):
+                session.total += EXTRA_WINDOWS * 2
+                for extra in range(EXTRA_WINDOWS):
+                    for result in leaders:
+                        session.window(result, f"{result.combo.label} extra window {extra + 1}")
+        session.say("stopping the workers")
+        session.finish(pending)
+    except BaseException:
+        session.kill()
+        raise
+    session.done = session.total
+    session.say("done")
     averages.append(load_average())
     load = MachineLoad(cores(), tuple(busy), tuple(averages), gpu_processes([os.getpid()]))
     return BenchReport(

@@ -3,8 +3,9 @@
 The worker builds a :class:`~paratrain.Runtime` for one combination and calls
 ``rt.launch``: one process for single-process layouts, a process group for the ones that
 need several. Every process trains real steps (forward, loss, ``rt.backward``, optimizer
-step), warms up, then times ``repeats`` windows of ``steps`` steps with its devices
-synchronized around each window, and writes ``rank<r>.json`` into the result directory.
+step), warms up, then times one window of ``steps`` steps, its devices synchronized around
+it, each time the runner asks (:mod:`paratrain.bench.control`), and when told to stop
+writes ``rank<r>.json`` into the result directory.
 Running out of memory is a result (``status: "oom"``), not a crash.
 """
 
@@ -23,9 +24,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from paratrain.atomic import atomic_write_text
+from paratrain.bench import control
 from paratrain.bench.memory import memory_snapshot, synchronize, training_state_bytes
 from paratrain.bench.task import TaskSource, load_task
 from paratrain.errors import UserError
+from paratrain.parent_death import die_with_parent
 from paratrain.peak_memory import peak_rss_bytes
 from paratrain.runtime import Runtime
 from paratrain.strategies.base import iter_tensors
@@ -89,7 +92,7 @@ def _output_bytes_on(output: Any, device: torch.device) -> int:
     return sum(t.nbytes for t in iter_tensors(output) if t.device == device)
 
 
-def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
+def _train_and_time(rt: Runtime, spec: RunSpec, out_dir: Path) -> dict[str, Any]:
     task = load_task(spec.source, spec.batch_size)
     optimizer = task.make_optimizer(task.model.parameters())
     model, optimizer, loss_fn = rt.setup(task.model, optimizer, task.loss_fn)
@@ -121,8 +124,10 @@ def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
     for _ in range(spec.warmup):
         step()
     synchronize(local)
+    control.say_ready(out_dir, rt.rank)
     seconds: list[float] = []
-    for _ in range(spec.repeats):
+    # one window each time the runner asks, until it says stop (bench/control.py)
+    while control.next_request(out_dir, len(seconds)):
         rt.barrier()
         synchronize(local)
         start = time.perf_counter()
@@ -130,6 +135,7 @@ def _train_and_time(rt: Runtime, spec: RunSpec) -> dict[str, Any]:
             step()
         synchronize(local)
         seconds.append(time.perf_counter() - start)
+        control.report_window(out_dir, rt.rank, len(seconds) - 1, seconds[-1])
     return {
         "seconds": seconds,
         "gathered_bytes_per_step": _gathered_bytes(rt, output_bytes),
@@ -160,7 +166,7 @@ def measure_in_process(rt: Runtime, spec: RunSpec, out_dir: str) -> None:
     record: dict[str, Any] = {"rank": rt.rank, "world_size": rt.world_size}
     record["baseline_rss_bytes"] = peak_rss_bytes()
     try:
-        record.update(_train_and_time(rt, spec))
+        record.update(_train_and_time(rt, spec, Path(out_dir)))
         record["status"] = "ok"
     except Exception as exc:  # a failed run is a result; the others still get measured
         record["status"] = "oom" if is_oom(exc) else "error"
@@ -177,6 +183,7 @@ def main(argv: list[str]) -> int:
     """``SPEC.json RESULT_DIR``: run one combination; failures are written, not raised."""
     spec = RunSpec.from_dict(json.loads(Path(argv[0]).read_text(encoding="utf-8")))
     out_dir = Path(argv[1])
+    die_with_parent()  # it waits for the runner's requests: never alone once it is gone
     try:
         rt = Runtime(spec.strategy, spec.devices, spec.precision, seed=spec.seed)
         rt.launch(measure_in_process, spec, str(out_dir))

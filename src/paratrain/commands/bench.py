@@ -39,7 +39,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--devices", help="for multi-device strategies: a count or a list (cpu,cpu)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows per run (default 3)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed windows per combination (default 5)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the model and data (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     p.add_argument("--out", help="output directory; default runs/bench-<name>-<timestamp>")
