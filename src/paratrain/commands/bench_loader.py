@@ -58,6 +58,8 @@ def _device(name: str | None) -> torch.device:
 
 
 def run_loader(args: argparse.Namespace) -> int:
+    import torch
+
     from paratrain.bench.loader import measure_loader
     from paratrain.bench.task import load_task
 
