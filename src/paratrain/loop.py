@@ -128,7 +128,8 @@ def train(
             f"--batch-size {cfg.batch_size} is larger than the training set ({size} "
             f"samples); use at most {size}"
         )
-    model = recipe.build_model(cfg)
+    with torch.device("meta"):  # each process materialises its part (paratrain.meta_init)
+        model = recipe.build_model(cfg)
     optimizer = recipe.build_optimizer(model.parameters(), cfg)
     plain_loss = recipe.build_loss()
     model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss)

@@ -37,6 +37,7 @@ from paratrain.determinism import make_deterministic, naming_nondeterministic, n
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch, launched
 from paratrain.loaders import DeviceLoader
+from paratrain.meta_init import MetaInit, is_meta
 from paratrain.nonfinite import NonFiniteCheck
 from paratrain.oom import MicroBatches, check_oom_mode
 from paratrain.oom_step import PieceStep
@@ -304,6 +305,8 @@ class Runtime:
                 f"strategy {self.strategy.name} computes the loss on every device: "
                 "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
             )
+        if is_meta(model):  # built on the meta device: weights from the seed, part by part
+            self._materialize(model)
         if self.config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if self.config.activation_checkpointing:  # before fsdp: its hooks wrap the blocks
@@ -328,6 +331,18 @@ class Runtime:
                 naming_nondeterministic(loss_fn) if self.config.deterministic else loss_fn
             )
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _materialize(self, model: nn.Module) -> None:
+        if self.seed is None:
+            raise UserError(
+                "the model is on the meta device: paratrain gives it its weights from the "
+                "run's seed; pass Runtime(seed=N), or build the model on a real device"
+            )
+        init = MetaInit(model, self.seed)
+        if self.strategy.builds_parts:
+            self.strategy.meta_init = init  # wrap_model materialises this process's part
+        else:
+            init.materialize([model])
 
     def _setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.meta_init import is_meta
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
 from paratrain.strategies.pipeline_plan import plan_stages
@@ -35,6 +36,7 @@ class PipelineStrategy(DDPStrategy):
     checks_model = True
     collective_forward = True
     trains_in_pipeline = True
+    builds_parts = True
     description = (
         "pipeline: the model's layers split into stages, one process per device, "
         "micro-batches on a 1F1B or GPipe schedule (torch.distributed.pipelining)"
@@ -89,6 +91,8 @@ class PipelineStrategy(DDPStrategy):
         count, index = self.collective.world_size, self.collective.rank
         stages = plan_stages(model, count, self.options.pipeline_split)
         full_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        if self.meta_init is not None and is_meta(model):  # only this stage gets storage
+            self.meta_init.materialize([stages[index]])
         pipelined = PipelinedModel(
             stages[index],
             index,
