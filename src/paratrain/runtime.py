@@ -195,7 +195,9 @@ class Runtime:
         #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
         self.nonfinite = NonFiniteCheck()
         #: --oom auto: how many pieces each micro-batch is cut into
-        self.micro_batches = MicroBatches(oom if not self.strategy.trains_in_pipeline else "off")
+        #: why --oom auto cannot work under this strategy (said once, at rt.setup), or None
+        self._oom_refused = self.strategy.oom_refused() if oom == "auto" else None
+        self.micro_batches = MicroBatches("off" if self._oom_refused else oom)
         self._connected = False
         self._stop: preemption.Request | None = None
         #: an evaluation loop ran under several processes and nothing was all-reduced since
@@ -304,6 +306,13 @@ class Runtime:
             raise UserError(
                 f"strategy {self.strategy.name} computes the loss on every device: "
                 "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
+            )
+        if self._oom_refused is not None:
+            self._tell(
+                "oom",
+                f"--oom auto: out-of-memory recovery is not available under --strategy "
+                f"{self.strategy.name} ({self._oom_refused}); running out of memory stops "
+                "the run",
             )
         if is_meta(model):  # built on the meta device: weights from the seed, part by part
             self._materialize(model)

@@ -85,6 +85,10 @@ class Strategy(ABC):
         """Why this strategy cannot train in ``precision`` here, or None."""
         return None
 
+    def oom_refused(self) -> str | None:
+        """Why ``--oom auto`` cannot recover from running out of memory here, or None."""
+        return None
+
     @property
     def num_processes(self) -> int:
         """How many processes a run of this strategy needs (the launcher starts them)."""

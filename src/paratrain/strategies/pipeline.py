@@ -73,6 +73,13 @@ class PipelineStrategy(DDPStrategy):
             )
         return None
 
+    def oom_refused(self) -> str | None:
+        return (
+            "its schedule runs the forward and backward of every micro-batch together, the "
+            "other stages waiting inside it; for less activation memory give more "
+            "--pipeline-microbatches or --activation-checkpointing"
+        )
+
     @property
     def data_shards(self) -> int:
         return 1  # every stage sees the whole batch: the first its inputs, the last its targets
