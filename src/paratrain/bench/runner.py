@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratrain.bench.combos import Combo, enumerate_combos
+from paratrain.bench.combos import Combo, enumerate_combos, with_activation_checkpointing
 from paratrain.bench.noise import MachineLoad, cores, gpu_processes, load_average, load_sample
 from paratrain.bench.recommend import Candidate, Recommendation, recommend
 from paratrain.bench.stats import spread, throughputs
@@ -37,6 +37,8 @@ class BenchSettings:
     seed: int = 0
     timeout: float = 600.0
     retime: bool = True
+    #: also measure each combination with activation checkpointing
+    activation_checkpointing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +53,7 @@ class BenchSettings:
             "seed": self.seed,
             "timeout": self.timeout,
             "retime": self.retime,
+            "activation_checkpointing": self.activation_checkpointing,
         }
 
 
@@ -69,6 +72,8 @@ class RunResult:
     runtime: dict[str, Any] | None = None
     traceback: str | None = None
     runs: list[dict[str, Any]] = field(default_factory=list)  # start/end of each process run
+    #: ``paratrain plan``'s peak per device for this combination (None: not planned)
+    predicted_peak_bytes: list[int] | None = None
 
     @property
     def samples_per_step(self) -> int:
@@ -188,6 +193,7 @@ def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
         warmup=settings.warmup,
         repeats=settings.repeats,
         seed=settings.seed,
+        activation_checkpointing=combo.activation_checkpointing,
     )
 
 
@@ -220,6 +226,8 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     combos = enumerate_combos(
         settings.strategies, settings.precisions, batch_sizes, settings.devices
     )
+    if settings.activation_checkpointing:
+        combos = with_activation_checkpointing(combos)
     results = [
         RunResult(c, "skipped", c.skip_reason) if c.skip_reason else RunResult(c, "pending")
         for c in combos

@@ -48,6 +48,7 @@ class RunSpec:
     warmup: int
     repeats: int
     seed: int = 0
+    activation_checkpointing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,7 +179,13 @@ def main(argv: list[str]) -> int:
     spec = RunSpec.from_dict(json.loads(Path(argv[0]).read_text(encoding="utf-8")))
     out_dir = Path(argv[1])
     try:
-        rt = Runtime(spec.strategy, spec.devices, spec.precision, seed=spec.seed)
+        rt = Runtime(
+            spec.strategy,
+            spec.devices,
+            spec.precision,
+            seed=spec.seed,
+            activation_checkpointing=spec.activation_checkpointing,
+        )
         rt.launch(measure_in_process, spec, str(out_dir))
     except Exception as exc:
         status = "oom" if is_oom(exc) else "error"
