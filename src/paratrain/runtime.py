@@ -197,6 +197,8 @@ class Runtime:
         #: --oom auto: how many pieces each micro-batch is cut into
         #: why --oom auto cannot work under this strategy (said once, at rt.setup), or None
         self._oom_refused = self.strategy.oom_refused() if oom == "auto" else None
+        #: what a model built on the meta device is initialised from (rt.setup's init_seed)
+        self._init_seed: int | None = seed
         self.micro_batches = MicroBatches("off" if self._oom_refused else oom)
         self._connected = False
         self._stop: preemption.Request | None = None
@@ -286,13 +288,18 @@ class Runtime:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        init_seed: int | None = None,
     ) -> Any:
         """Place ``model`` (and the optimizer's state) and wrap them for the strategy.
 
         Returns what it was given, in the same order: ``model``, ``(model, optimizer)``,
-        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``.
+        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``. A model built on the meta
+        device gets its weights from ``init_seed`` (default: the runtime's ``seed``), each
+        process only its part (:mod:`paratrain.meta_init`).
         """
         self._connect()
+        self._init_seed = init_seed if init_seed is not None else self.seed
         with self.strategy.collective.operation("rt.setup"):  # DDP broadcasts the weights
             return self._setup(model, optimizer, loss_fn)
 
@@ -342,12 +349,13 @@ class Runtime:
         return result[0] if len(result) == 1 else tuple(result)
 
     def _materialize(self, model: nn.Module) -> None:
-        if self.seed is None:
+        seed = self._init_seed
+        if seed is None:
             raise UserError(
                 "the model is on the meta device: paratrain gives it its weights from the "
                 "run's seed; pass Runtime(seed=N), or build the model on a real device"
             )
-        init = MetaInit(model, self.seed)
+        init = MetaInit(model, seed)
         if self.strategy.builds_parts:
             self.strategy.meta_init = init  # wrap_model materialises this process's part
         else:

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def predict_memory(report: Any) -> None:
     """``paratrain plan``'s peak per device next to each measured combination: one traced
     plan (on fake tensors) per precision, batch size, device count and checkpointing."""
-    from paratrain.commands.plan import checkpointed, task_builder
+    from paratrain.commands.plan import task_builder, with_checkpointing
     from paratrain.plan import plan_memory, trace_step
 
     build, _ = task_builder(report.settings.source)
@@ -142,7 +142,7 @@ def predict_memory(report: Any) -> None:
         recompute = combo.activation_checkpointing
         key = (combo.precision, combo.batch_size, count, recompute, accelerator)
         if key not in plans:
-            wrap = checkpointed if recompute else None
+            wrap = with_checkpointing if recompute else None
             try:
                 plans[key] = plan_memory(
                     lambda b, p=combo.precision, w=wrap, n=count: trace_step(
