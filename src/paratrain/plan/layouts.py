@@ -12,9 +12,10 @@ changes:
 * ``dp-balanced`` xN: as ``dp``, but the outputs stay where they were computed;
 * ``fsdp`` xN: parameters, gradients and optimizer state 1/N each, plus the gathered
   parameters (and gradients) of the two largest blocks at a time and what no block holds;
-* ``pipeline`` xN: each stage the parameters, gradients and optimizer state of its layers
-  (where the pipeline cuts the model; 1/N where the trace was not asked to cut), and 1/N of
-  the activations of the micro-batches in flight (1F1B: up to N of the 4, GPipe: all).
+* ``pipeline`` xN: each stage the parameters, all the gradients and the optimizer state of
+  its layers (where the pipeline cuts the model; 1/N where the trace was not asked to cut),
+  and 1/N of the activations of the micro-batches in flight (1F1B: up to N of the 4, GPipe:
+  all).
 """
 
 from __future__ import annotations
@@ -79,14 +80,16 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
     if layout.name == "pipeline":
         microbatches = 4
         in_flight = [min(n - s, microbatches) / microbatches for s in range(n)]
+        # a stage's gradients are all there from its first micro-batch's backward on, while
+        # the later micro-batches' activations are held (one step's peak has only some)
         return [
             whole.peak.scaled(
                 parameters=share,
-                gradients=share,
+                gradients=0,
                 optimizer=share,
                 activations=flight / n,
                 other=1 / n,
-            )
+            ).plus(gradients=share * whole.parameter_bytes)
             for share, flight in zip(_stage_shares(whole, n), in_flight, strict=True)
         ]
     return [peak]
