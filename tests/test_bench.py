@@ -339,3 +339,40 @@ def test_micro_benchmarks_run_on_cuda(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["bench", "crossover", "--sizes", "64,2048", "--repeats", "2", "--json"]) == 0
     crossover = json.loads(capsys.readouterr().out)
     assert [r["size"] for r in crossover["rows"]] == [64, 2048]
+
+
+def test_predicted_peaks_stand_next_to_the_measured_ones() -> None:
+    """--strategy cpu and ddp on cpu,cpu: paratrain plan's peak per device (fake tensors)."""
+    from rich.console import Console
+
+    from paratrain.bench.report import build_table
+    from paratrain.commands.bench import predict_memory
+    from paratrain.commands.plan import recipe_builder
+    from paratrain.plan import plan_memory, trace_step
+
+    report = _report()
+    predict_memory(report)
+    ddp, cpu, oom, skipped = report.results
+    assert ddp.predicted_peak_bytes is not None and len(ddp.predicted_peak_bytes) == 2
+    assert cpu.predicted_peak_bytes is not None and len(cpu.predicted_peak_bytes) == 1
+    assert oom.predicted_peak_bytes is not None and skipped.predicted_peak_bytes is None
+    build, _ = recipe_builder("digits")
+    plan = plan_memory(lambda b: trace_step(build, b), "digits", 32, "32", 2, "cpu", 1 << 40, "-")
+    assert cpu.predicted_peak_bytes == [plan.layouts[0].peak]  # the plan's own figure
+    assert oom.predicted_peak_bytes[0] > 10 * cpu.predicted_peak_bytes[0]  # batch 4096
+    console = Console(width=200, record=True)
+    console.print(build_table(report))
+    assert "predicted" in console.export_text()
+    assert report_dict(report)["results"][1]["predicted_peak_bytes"] == cpu.predicted_peak_bytes
+
+
+def test_activation_checkpointing_adds_a_combination_where_the_strategy_allows_it() -> None:
+    from paratrain.bench.combos import with_activation_checkpointing
+    from paratrain.bench.runner import _spec
+
+    combos = enumerate_combos(["cpu", "dp-balanced"], ["32"], [8], "cpu,cpu")
+    doubled = with_activation_checkpointing(combos)
+    assert [c.label for c in doubled] == ["cpu 32 b8", "cpu 32 b8 ac", "dp-balancedx2 32 b8"]
+    settings = BenchSettings(TaskSource(recipe="digits"), activation_checkpointing=True)
+    assert _spec(settings, doubled[1]).activation_checkpointing
+    assert not _spec(settings, doubled[0]).activation_checkpointing

@@ -65,6 +65,9 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
     assert [h["rank"] for h in ddp["memory"]["host"]] == [0, 1]  # every process's peak RSS
     assert all(h["peak_rss_bytes"] > 0 for h in ddp["memory"]["host"])
     assert cpu["gathered_bytes_per_step"] is None
+    # paratrain plan's prediction per device stands next to the measured peak
+    assert len(cpu["predicted_peak_bytes"]) == 1 and len(ddp["predicted_peak_bytes"]) == 2
+    assert "predicted" in stdout
     # one worker process each, for all of its windows (interleaved); two more windows
     # each only where the two were within noise of each other
     for result in (cpu, ddp):

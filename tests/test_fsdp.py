@@ -134,6 +134,11 @@ def _fsdp_in_each_process(rt: paratrain.Runtime, folder: str) -> list[float]:
     rt.save_weights(fresh, gathered)
     reloaded = load_file(str(gathered))
     exact = all(torch.equal(reloaded[k], v) for k, v in plain.state_dict().items())
+    # built on the meta device: each process materialises one block at a time and keeps
+    # its shards; the test compares the gathered weights with a one-process build
+    with torch.device("meta"):
+        meta = GPT(width=WIDTH, depth=DEPTH)
+    rt.save_weights(rt.setup(meta), Path(folder) / "meta.safetensors")
     return [float(held), float(blocks), float(same), float(same_momentum), float(exact)]
 
 
@@ -142,6 +147,13 @@ def test_each_process_holds_its_share_and_checkpoints_are_full(tmp_path: Path) -
     result = rt.launch(_fsdp_in_each_process, str(tmp_path))
     assert result is not None
     held, blocks, same, same_momentum, exact = result
+    # the meta-built model's weights are those --strategy cpu gives the same seed, exactly
+    with torch.device("meta"):
+        one = GPT(width=WIDTH, depth=DEPTH)
+    one = paratrain.Runtime("cpu", seed=0).setup(one)
+    built = load_file(str(tmp_path / "meta.safetensors"))
+    assert built.keys() == one.state_dict().keys()
+    assert all(torch.equal(built[k], v) for k, v in one.state_dict().items())
     model = _gpt()
     total = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # + grads + momentum
     print(f"\nfsdp 2 processes: rank 0 holds {held:,.0f} of {total:,} bytes")

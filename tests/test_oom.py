@@ -171,6 +171,7 @@ def test_two_processes_one_runs_out_at_step_3(
     assert result["split"] == 2 and result["halved_at"] == 3 and result["saved_split"] == 2
     err = capfd.readouterr().err
     assert err.count("out of memory on rank(s) 1 at step 3 with 32 samples per process") == 1
+    print(f"\n{strategy} x2, out of memory at step 3: weights {result['difference']:.3g} apart")
 
 
 def _digits(name: str, tmp_path: Path, batch: int, accumulate: int = 1, **more: Any) -> Any:

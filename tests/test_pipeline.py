@@ -177,7 +177,13 @@ def _pipeline_in_each_process(rt: paratrain.Runtime, folder: str) -> list[float]
     exact = all(torch.equal(reloaded[k], v) for k, v in _gpt().state_dict().items())
     loss_diff = abs(loss.item() - expected.item())
     restored = float(same and same_momentum and exact)
-    return [loss_diff, stepped, float(held), refused, output_diff, restored]
+    # built on the meta device: each process materialises its own stage only
+    with torch.device("meta"):
+        meta = GPT(width=32, depth=4)
+    stage = rt.setup(meta)
+    real = sum(not p.is_meta for p in meta.parameters())  # of the whole model's 53
+    rt.save_weights(stage, Path(folder) / "meta.safetensors")
+    return [loss_diff, stepped, float(held), refused, output_diff, restored, float(real)]
 
 
 def test_each_process_trains_its_stage_and_checkpoints_are_full(tmp_path: Path) -> None:
@@ -186,7 +192,15 @@ def test_each_process_trains_its_stage_and_checkpoints_are_full(tmp_path: Path) 
     )
     result = rt.launch(_pipeline_in_each_process, str(tmp_path))
     assert result is not None
-    loss_diff, stepped, held, refused, output_diff, restored = result
+    loss_diff, stepped, held, refused, output_diff, restored, real = result
+    assert real == 26  # rank 0 materialised its stage's parameters only, not rank 1's
+    # the meta-built model's weights are those --strategy cpu gives the same seed, exactly
+    with torch.device("meta"):
+        one = GPT(width=32, depth=4)
+    one = paratrain.Runtime("cpu", seed=0).setup(one)
+    built = load_file(str(tmp_path / "meta.safetensors"))
+    assert built.keys() == one.state_dict().keys()
+    assert all(torch.equal(built[k], v) for k, v in one.state_dict().items())
     print(f"\npipeline 2 processes: loss diff {loss_diff:.3g}, weights after a step {stepped:.3g}")
     assert loss_diff < 1e-5 and stepped < 1e-6 and output_diff < 1e-5
     assert held == 26  # rank 0's stage: embedding, positions and two blocks of 12 tensors

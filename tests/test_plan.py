@@ -75,6 +75,20 @@ def test_layouts_split_what_they_split() -> None:
     assert not {p.layout: p for p in small.layouts}["cuda"].fits
 
 
+def test_pipeline_stages_hold_their_own_layers_and_all_their_gradients() -> None:
+    """--strategy cpu tracing, pipeline x2: digits is cut into its convolutions (small) and
+    its classifier (most of the parameters); each stage keeps all its gradients."""
+    build, batch = _builders()["digits"]
+    plan = plan_memory(
+        lambda b: trace_step(build, b, stages=2), "digits", batch, "32", 2, "cpu", 1 << 40, "-"
+    )
+    first, last = next(p for p in plan.layouts if p.layout == "pipeline").devices
+    assert 6 * first.parameters < last.parameters
+    whole = trace_step(build, batch).parameter_bytes
+    assert abs(first.parameters + last.parameters - whole) <= 2  # rounding of each share
+    assert first.gradients == first.parameters and last.gradients == last.parameters
+
+
 def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
     """`paratrain plan --accelerator cpu` (cpu, cpu,cpu): JSON with every kind of memory per
     device and the memory activation checkpointing saves; a size it cannot read is one line

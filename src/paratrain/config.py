@@ -151,7 +151,10 @@ class TrainConfig:
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
         check_speed(strategy, cfg.speed_options())
         if strategy.checks_model:  # e.g. fsdp on a model without parameters
-            strategy.check_model(recipe.build_model(cfg))
+            import torch
+
+            with torch.device("meta"):  # shapes are enough: nothing is allocated
+                strategy.check_model(recipe.build_model(cfg))
         assert cfg.batch_size is not None
         check_batch_size_per(cfg.batch_size_per)
         per_process = cfg.batch_size_per == "process"

@@ -141,10 +141,11 @@ def train(
             f"--batch-size {cfg.batch_size} is larger than the training set ({size} "
             f"samples); use at most {size}"
         )
-    model = recipe.build_model(cfg)
+    with torch.device("meta"):  # each process materialises its part (paratrain.meta_init)
+        model = recipe.build_model(cfg)
     optimizer = recipe.build_optimizer(model.parameters(), cfg)
     plain_loss = recipe.build_loss()
-    model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss)
+    model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss, init_seed=cfg.seed)
     scheduler = recipe.build_scheduler(optimizer, cfg) if recipe.build_scheduler else None
     train_loader, test_loader = _loaders(rt, cfg, recipe.drop_last, train_set, test_set)
     batches_per_epoch = len(train_loader)

@@ -37,6 +37,7 @@ from paratrain.determinism import make_deterministic, naming_nondeterministic, n
 from paratrain.errors import PlacementError, UserError
 from paratrain.launch import launch, launched
 from paratrain.loaders import DeviceLoader
+from paratrain.meta_init import MetaInit, is_meta
 from paratrain.nonfinite import NonFiniteCheck
 from paratrain.oom import MicroBatches, check_oom_mode
 from paratrain.oom_step import PieceStep
@@ -194,7 +195,11 @@ class Runtime:
         #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
         self.nonfinite = NonFiniteCheck()
         #: --oom auto: how many pieces each micro-batch is cut into
-        self.micro_batches = MicroBatches(oom if not self.strategy.trains_in_pipeline else "off")
+        #: why --oom auto cannot work under this strategy (said once, at rt.setup), or None
+        self._oom_refused = self.strategy.oom_refused() if oom == "auto" else None
+        #: what a model built on the meta device is initialised from (rt.setup's init_seed)
+        self._init_seed: int | None = seed
+        self.micro_batches = MicroBatches("off" if self._oom_refused else oom)
         self._connected = False
         self._stop: preemption.Request | None = None
         #: an evaluation loop ran under several processes and nothing was all-reduced since
@@ -283,13 +288,18 @@ class Runtime:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        init_seed: int | None = None,
     ) -> Any:
         """Place ``model`` (and the optimizer's state) and wrap them for the strategy.
 
         Returns what it was given, in the same order: ``model``, ``(model, optimizer)``,
-        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``.
+        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``. A model built on the meta
+        device gets its weights from ``init_seed`` (default: the runtime's ``seed``), each
+        process only its part (:mod:`paratrain.meta_init`).
         """
         self._connect()
+        self._init_seed = init_seed if init_seed is not None else self.seed
         with self.strategy.collective.operation("rt.setup"):  # DDP broadcasts the weights
             return self._setup(model, optimizer, loss_fn)
 
@@ -304,6 +314,15 @@ class Runtime:
                 f"strategy {self.strategy.name} computes the loss on every device: "
                 "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
             )
+        if self._oom_refused is not None:
+            self._tell(
+                "oom",
+                f"--oom auto: out-of-memory recovery is not available under --strategy "
+                f"{self.strategy.name} ({self._oom_refused}); running out of memory stops "
+                "the run",
+            )
+        if is_meta(model):  # built on the meta device: weights from the seed, part by part
+            self._materialize(model)
         if self.config.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if self.config.activation_checkpointing:  # before fsdp: its hooks wrap the blocks
@@ -328,6 +347,19 @@ class Runtime:
                 naming_nondeterministic(loss_fn) if self.config.deterministic else loss_fn
             )
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _materialize(self, model: nn.Module) -> None:
+        seed = self._init_seed
+        if seed is None:
+            raise UserError(
+                "the model is on the meta device: paratrain gives it its weights from the "
+                "run's seed; pass Runtime(seed=N), or build the model on a real device"
+            )
+        init = MetaInit(model, seed)
+        if self.strategy.builds_parts:
+            self.strategy.meta_init = init  # wrap_model materialises this process's part
+        else:
+            init.materialize([model])
 
     def _setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

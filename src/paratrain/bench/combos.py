@@ -8,7 +8,7 @@ what was left out instead of silently measuring less.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ class Combo:
     device_names: tuple[str, ...] = ()
     processes: int = 1
     skip_reason: str | None = None
+    #: each block recomputes its activations in the backward (bench --activation-checkpointing)
+    activation_checkpointing: bool = False
 
     @property
     def label(self) -> str:
@@ -40,7 +42,8 @@ class Combo:
         layout = self.strategy
         if len(self.device_names) > 1:
             layout += f"x{len(self.device_names)}"
-        return f"{layout} {self.precision} b{self.batch_size}"
+        recompute = " ac" if self.activation_checkpointing else ""
+        return f"{layout} {self.precision} b{self.batch_size}{recompute}"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -183,6 +186,19 @@ def enumerate_combos(
                     )
                 )
     return combos
+
+
+def with_activation_checkpointing(combos: Sequence[Combo]) -> list[Combo]:
+    """Each measurable combination followed by the same with activation checkpointing,
+    where its strategy allows it: the time recomputing costs, the memory it saves."""
+    result: list[Combo] = []
+    for combo in combos:
+        result.append(combo)
+        if combo.skip_reason is None and strategy_class(
+            combo.strategy
+        ).allows_activation_checkpointing:
+            result.append(replace(combo, activation_checkpointing=True))
+    return result
 
 
 def not_by_default(

@@ -60,6 +60,15 @@ def _memory_cell(result: RunResult) -> str:
     return "\n".join(f"{name.removesuffix(' RSS')} {format_bytes(value)}" for name, value in bars)
 
 
+def _predicted_cell(result: RunResult) -> str:
+    predicted = result.predicted_peak_bytes
+    if not predicted:
+        return "-"
+    if len(set(predicted)) == 1:
+        return format_bytes(predicted[0])
+    return "\n".join(f"{i} {format_bytes(value)}" for i, value in enumerate(predicted))
+
+
 def _state_bytes(result: RunResult) -> int | None:
     """The most parameter + gradient + optimizer-state bytes any one process held."""
     held = [b for b in (result.memory or {}).get("state_bytes", []) if b is not None]
@@ -79,6 +88,7 @@ def result_dict(result: RunResult) -> dict[str, Any]:
         "step_seconds": spread(steps).to_dict() if steps else None,
         "timed_window_seconds": {"first": result.seconds, "retimed": result.retimed_seconds},
         "memory": result.memory,
+        "predicted_peak_bytes": result.predicted_peak_bytes,
         "gathered_bytes_per_step": result.gathered_bytes_per_step,
         "runtime": result.runtime,
         "runs": result.runs,
@@ -122,6 +132,7 @@ def build_table(report: BenchReport) -> Table:
     table.add_column("min-max", justify="right")
     table.add_column("ms/step", justify="right")
     table.add_column("peak memory", justify="right")
+    table.add_column("predicted", justify="right")
     table.add_column("state/proc", justify="right")
     table.add_column("gathered", justify="right")
     for result in report.results:
@@ -138,6 +149,7 @@ def build_table(report: BenchReport) -> Table:
             f"{min(sps):,.0f}-{max(sps):,.0f}" if sps else "-",
             "-" if step_ms is None else f"{step_ms:.2f}",
             _memory_cell(result),
+            _predicted_cell(result),
             format_bytes(_state_bytes(result)),
             format_bytes(result.gathered_bytes_per_step),
             style="red" if result.status != "ok" else None,
@@ -165,8 +177,10 @@ def print_report(report: BenchReport, console: Console) -> None:
         "samples/s: median over the timed windows (min-max), interleaved round by round with "
         "the other combinations'; stopped early: slower in every window than the leader in "
         "any, so not timed further; memory: peak per GPU, else peak RSS per process; "
-        "state/proc: parameters + gradients + optimizer state of one process (fsdp: its "
-        "shards); gathered: bytes brought to the first device per step",
+        "predicted: paratrain plan's peak per device (tensors only: a CPU process's RSS also "
+        "holds Python, torch and the data); state/proc: parameters + gradients + optimizer "
+        "state of one process (fsdp: its shards); gathered: bytes brought to the first device "
+        "per step; ac: with --activation-checkpointing",
         style="dim",
     )
     for line in notes(report):

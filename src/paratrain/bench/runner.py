@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from paratrain.bench.combos import Combo, enumerate_combos
+from paratrain.bench.combos import Combo, enumerate_combos, with_activation_checkpointing
 from paratrain.bench.noise import (
     MachineLoad,
     clear_losers,
@@ -41,6 +41,8 @@ class BenchSettings:
     timeout: float = 600.0
     #: two leaders within noise of each other get EXTRA_WINDOWS more windows each
     retime: bool = True
+    #: also measure each combination with activation checkpointing
+    activation_checkpointing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,7 @@ class BenchSettings:
             "seed": self.seed,
             "timeout": self.timeout,
             "retime": self.retime,
+            "activation_checkpointing": self.activation_checkpointing,
         }
 
 
@@ -75,6 +78,8 @@ class RunResult:
     runs: list[dict[str, Any]] = field(default_factory=list)  # start/end of each process run
     #: a clear loser (bench.noise.clear_losers): not timed after its first windows
     stopped_early: bool = False
+    #: ``paratrain plan``'s peak per device for this combination (None: not planned)
+    predicted_peak_bytes: list[int] | None = None
 
     @property
     def samples_per_step(self) -> int:
@@ -131,6 +136,7 @@ def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
         warmup=settings.warmup,
         repeats=settings.repeats,
         seed=settings.seed,
+        activation_checkpointing=combo.activation_checkpointing,
     )
 
 
@@ -212,6 +218,8 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     combos = enumerate_combos(
         settings.strategies, settings.precisions, batch_sizes, settings.devices
     )
+    if settings.activation_checkpointing:
+        combos = with_activation_checkpointing(combos)
     results = [
         RunResult(c, "skipped", c.skip_reason) if c.skip_reason else RunResult(c, "pending")
         for c in combos

@@ -51,6 +51,7 @@ class RunSpec:
     warmup: int
     repeats: int
     seed: int = 0
+    activation_checkpointing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,7 +186,13 @@ def main(argv: list[str]) -> int:
     out_dir = Path(argv[1])
     die_with_parent()  # it waits for the runner's requests: never alone once it is gone
     try:
-        rt = Runtime(spec.strategy, spec.devices, spec.precision, seed=spec.seed)
+        rt = Runtime(
+            spec.strategy,
+            spec.devices,
+            spec.precision,
+            seed=spec.seed,
+            activation_checkpointing=spec.activation_checkpointing,
+        )
         rt.launch(measure_in_process, spec, str(out_dir))
     except Exception as exc:
         status = "oom" if is_oom(exc) else "error"

@@ -47,6 +47,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", help="output directory; default runs/bench-<name>-<timestamp>")
     p.add_argument("--overwrite", action="store_true", help="replace a bench.json in --out")
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="also measure each combination with activation checkpointing (time it costs, "
+        "memory it saves); doubles the runs",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--json", action="store_true", help="print bench.json's contents instead of the table"
@@ -120,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         repeats=args.repeats,
         seed=args.seed,
         timeout=args.timeout,
+        activation_checkpointing=args.activation_checkpointing,
     )
 
 
@@ -142,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=120)  # piped output: no need to squeeze into 80 columns
     with BenchProgress(enabled=not args.no_progress) as bar:
         report = run_bench(settings, bar.update)
+    predict_memory(report)
     report.arguments = {k: v for k, v in vars(args).items() if not k.endswith("handler")}
     if getattr(args, "json", False):
         make_out(out)
@@ -157,6 +165,46 @@ def run(args: argparse.Namespace) -> int:
             console.print(MISSING_MATPLOTLIB)
     console.print(f"wrote {', '.join(str(p) for p in written)} ({report.wall_seconds:.0f}s)")
     return 0
+
+
+def predict_memory(report: Any) -> None:
+    """``paratrain plan``'s peak per device next to each measured combination: one traced
+    plan (on fake tensors) per precision, batch size, device count and checkpointing."""
+    from paratrain.commands.plan import task_builder, with_checkpointing
+    from paratrain.plan import plan_memory, trace_step
+
+    build, _ = task_builder(report.settings.source)
+    plans: dict[tuple[str, int, int, bool, str], Any] = {}
+    for result in report.results:
+        combo = result.combo
+        if result.status == "skipped" or not combo.device_names:
+            continue
+        accelerator = combo.device_names[0].split(":")[0]
+        count = len(combo.device_names)
+        recompute = combo.activation_checkpointing
+        key = (combo.precision, combo.batch_size, count, recompute, accelerator)
+        if key not in plans:
+            wrap = with_checkpointing if recompute else None
+            try:
+                plans[key] = plan_memory(
+                    lambda b, p=combo.precision, w=wrap, n=count: trace_step(
+                        build, b, precision=p, wrap=w, stages=n
+                    ),
+                    report.settings.source.name,
+                    combo.batch_size,
+                    combo.precision,
+                    count,
+                    accelerator,
+                    1 << 60,
+                    "-",
+                )
+            except Exception:  # a model the tracer cannot follow: the measurement still stands
+                plans[key] = None
+        planned = plans[key]
+        name = combo.strategy if count > 1 else accelerator
+        found = [p for p in planned.layouts if p.layout == name] if planned else []
+        if found:
+            result.predicted_peak_bytes = [d.total for d in found[0].devices]
 
 
 # -- micro-benchmarks (seeds 002 and 003) -------------------------------------------------------

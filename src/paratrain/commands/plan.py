@@ -79,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--batch-size must be at least 1, got {batch}")
     plans = {}
     for checkpointed in (False, True) if args.activation_checkpointing else (False,):
-        wrap = _checkpointing if checkpointed else None
+        wrap = with_checkpointing if checkpointed else None
         plans[checkpointed] = plan_memory(
-            lambda b, wrap=wrap: trace_step(build, b, precision=precision, wrap=wrap),
+            lambda b, wrap=wrap: trace_step(
+                build, b, precision=precision, wrap=wrap, stages=devices
+            ),
             source.name,
             batch,
             precision,
@@ -167,7 +169,7 @@ def recipe_builder(
     return build, recipe.batch_size
 
 
-def _checkpointing(model: nn.Module) -> nn.Module:
+def with_checkpointing(model: nn.Module) -> nn.Module:
     from paratrain.activation_checkpointing import apply_activation_checkpointing
 
     apply_activation_checkpointing(model)

@@ -53,12 +53,19 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.randn(context, width) * 0.02)
+        self.position = nn.Parameter(torch.empty(context, width))
         self.blocks = nn.ModuleList(TransformerBlock(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         if tie:
             self.head.weight = self.embed.weight
+        self.init_module(self)
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters that its ``reset_parameters`` does not
+        (the positions); paratrain.meta_init calls it per module of a model built on meta."""
+        if module is self:
+            nn.init.normal_(self.position, std=0.02)
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens) + self.position[: tokens.shape[1]]

@@ -12,8 +12,10 @@ changes:
 * ``dp-balanced`` xN: as ``dp``, but the outputs stay where they were computed;
 * ``fsdp`` xN: parameters, gradients and optimizer state 1/N each, plus the gathered
   parameters (and gradients) of the two largest blocks at a time and what no block holds;
-* ``pipeline`` xN: 1/N of the parameters, gradients and optimizer state per stage, and
-  the activations of the micro-batches in flight (1F1B: up to N of the 4, GPipe: all).
+* ``pipeline`` xN: each stage the parameters, all the gradients and the optimizer state of
+  its layers (where the pipeline cuts the model; 1/N where the trace was not asked to cut),
+  and 1/N of the activations of the micro-batches in flight (1F1B: up to N of the 4, GPipe:
+  all).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ def _part(devices: int) -> Callable[[int], int]:
     return lambda batch: max(1, -(-batch // devices))
 
 
+def _stage_shares(whole: StepTrace, n: int) -> list[float]:
+    """Each stage's share of the parameters: as the pipeline cuts the model where the
+    trace knows it, else even."""
+    stages = whole.stage_parameter_bytes
+    if len(stages) != n or not sum(stages):
+        return [1 / n] * n
+    return [size / sum(stages) for size in stages]
+
+
 def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Breakdown]:
     """Each device's peak under ``layout``: ``trace`` at its per-device batch, ``whole`` at
     the global batch (pipeline's stages and dp's gathered outputs read it)."""
@@ -67,10 +78,18 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
         sharded = peak.scaled(parameters=1 / n, gradients=1 / n, optimizer=1 / n)
         return [sharded.plus(parameters=gathered, gradients=trace.largest_block_bytes)] * n
     if layout.name == "pipeline":
-        stage = whole.peak.scaled(
-            parameters=1 / n, gradients=1 / n, optimizer=1 / n, activations=1 / n, other=1 / n
-        )
         microbatches = 4
         in_flight = [min(n - s, microbatches) / microbatches for s in range(n)]
-        return [stage.scaled(activations=share) for share in in_flight]
+        # a stage's gradients are all there from its first micro-batch's backward on, while
+        # the later micro-batches' activations are held (one step's peak has only some)
+        return [
+            whole.peak.scaled(
+                parameters=share,
+                gradients=0,
+                optimizer=share,
+                activations=flight / n,
+                other=1 / n,
+            ).plus(gradients=share * whole.parameter_bytes)
+            for share, flight in zip(_stage_shares(whole, n), in_flight, strict=True)
+        ]
     return [peak]

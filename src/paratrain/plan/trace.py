@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.errors import UserError
 from paratrain.strategies.blocks import choose_blocks
 
 #: the kinds of memory a device holds at its peak, in the order they are shown
@@ -73,6 +74,9 @@ class StepTrace:
     parameter_bytes: int
     largest_block_bytes: int = 0
     unblocked_bytes: int = 0
+    #: bytes of the parameters of each pipeline stage, first to last, as ``--strategy
+    #: pipeline`` cuts the model for the ``stages`` asked (empty: not asked, or not cut)
+    stage_parameter_bytes: tuple[int, ...] = ()
 
 
 def trace_step(
@@ -81,10 +85,12 @@ def trace_step(
     fake: bool = True,
     precision: str = "32",
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    stages: int = 0,
 ) -> StepTrace:
     """Trace two training steps of ``batch`` samples (the second one holds the optimizer's
     state, as every later step does) under ``precision``'s autocast (bf16, fp16); ``wrap``
-    changes the model before tracing (activation checkpointing)."""
+    changes the model before tracing (activation checkpointing); ``stages`` > 1: also how
+    the pipeline's default cut into that many stages shares the parameters."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -114,6 +120,7 @@ def trace_step(
         snapshot = tracker.get_tracker_snapshot("peak")
         blocks = [_bytes(block) for block in choose_blocks(model)]
         parameter_bytes = _bytes(model)
+        stage_bytes = _stage_bytes(model, stages) if stages > 1 else ()
     return StepTrace(
         batch,
         _breakdown(snapshot),
@@ -121,7 +128,17 @@ def trace_step(
         parameter_bytes,
         max(blocks, default=0),
         parameter_bytes - sum(blocks),
+        stage_bytes,
     )
+
+
+def _stage_bytes(model: nn.Module, stages: int) -> tuple[int, ...]:
+    from paratrain.strategies.pipeline_plan import plan_stages
+
+    try:
+        return tuple(_bytes(stage) for stage in plan_stages(model, stages))
+    except UserError:  # a model pipeline cannot cut: the layouts assume even stages
+        return ()
 
 
 def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.collective import Collective, ReduceOp
+from paratrain.meta_init import MetaInit
 
 __all__ = ["Collective", "ReduceOp", "Strategy", "StrategyOptions", "iter_tensors"]
 
@@ -58,11 +59,16 @@ class Strategy(ABC):
     #: blocks may recompute their activations in the backward (not where replicas of the
     #: model run the original module's forward: DataParallel)
     allows_activation_checkpointing: ClassVar[bool] = True
+    #: a model built on the meta device is materialised by ``wrap_model``, only this
+    #: process's part (``meta_init``); the others get it whole before ``place_model``
+    builds_parts: ClassVar[bool] = False
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices
         self.options = options or StrategyOptions()
         self.collective: Collective = Collective()
+        #: set by ``Runtime.setup`` for ``builds_parts`` strategies given a meta model
+        self.meta_init: MetaInit | None = None
 
     # -- chosen before any process exists ---------------------------------------------------
     @classmethod
@@ -77,6 +83,10 @@ class Strategy(ABC):
 
     def precision_refused(self, precision: str) -> str | None:
         """Why this strategy cannot train in ``precision`` here, or None."""
+        return None
+
+    def oom_refused(self) -> str | None:
+        """Why ``--oom auto`` cannot recover from running out of memory here, or None."""
         return None
 
     @property

@@ -25,6 +25,7 @@ from torch import nn
 from paratrain.catalog import STRATEGIES
 from paratrain.dtensors import shard_like
 from paratrain.errors import UserError
+from paratrain.meta_init import MetaInit, is_meta, release
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.blocks import choose_blocks, has_parameters
 from paratrain.strategies.ddp import DDPStrategy
@@ -43,6 +44,7 @@ class FSDPStrategy(DDPStrategy):
     checks_model = True
     collective_forward = True
     pieces_sync_each = True
+    builds_parts = True
     description = STRATEGIES["fsdp"]
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
@@ -86,12 +88,22 @@ class FSDPStrategy(DDPStrategy):
         before = {name: param for name, param in model.named_parameters()}
         mesh = init_device_mesh(self.root_device.type, (self.collective.world_size,))
         policy = self.mp_policy()
+        init = self.meta_init if is_meta(model) else None
         for block in choose_blocks(model, self.options.fsdp_blocks):
+            # a meta model: one whole block at a time, freed once its shard is kept
+            whole = _materialized(init, block)
             fully_shard(block, mesh=mesh, mp_policy=policy)
+            release(whole)
+        whole = _materialized(init, model)  # what no block holds
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        release(whole)
         after = dict(model.named_parameters())
         self._replaced = {id(param): after[name] for name, param in before.items()}
         return model
+
+    def place_model(self, model: nn.Module) -> None:
+        if not is_meta(model):  # a meta model's blocks are materialised in wrap_model
+            super().place_model(model)
 
     def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer`` (built from the unsharded parameters) at the sharded ones,
@@ -118,6 +130,15 @@ class FSDPStrategy(DDPStrategy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "fsdp_blocks": list(self.options.fsdp_blocks)}
+
+
+def _materialized(init: MetaInit | None, module: nn.Module) -> list[torch.Tensor]:
+    """Materialise ``module``'s meta tensors with ``init``; the tensors it made real."""
+    if init is None:
+        return []
+    pending = [t for t in [*module.parameters(), *module.buffers()] if t.is_meta]
+    init.materialize([module])
+    return [t for t in pending if not t.is_meta]
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from torch import nn
 
 from paratrain.catalog import STRATEGIES
 from paratrain.errors import UserError
+from paratrain.meta_init import is_meta
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
 from paratrain.strategies.pipeline_plan import plan_stages
@@ -36,6 +37,7 @@ class PipelineStrategy(DDPStrategy):
     checks_model = True
     collective_forward = True
     trains_in_pipeline = True
+    builds_parts = True
     description = STRATEGIES["pipeline"]
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
@@ -69,6 +71,13 @@ class PipelineStrategy(DDPStrategy):
             )
         return None
 
+    def oom_refused(self) -> str | None:
+        return (
+            "its schedule runs the forward and backward of every micro-batch together, the "
+            "other stages waiting inside it; for less activation memory give more "
+            "--pipeline-microbatches or --activation-checkpointing"
+        )
+
     @property
     def data_shards(self) -> int:
         return 1  # every stage sees the whole batch: the first its inputs, the last its targets
@@ -87,6 +96,8 @@ class PipelineStrategy(DDPStrategy):
         count, index = self.collective.world_size, self.collective.rank
         stages = plan_stages(model, count, self.options.pipeline_split)
         full_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        if self.meta_init is not None and is_meta(model):  # only this stage gets storage
+            self.meta_init.materialize([stages[index]])
         pipelined = PipelinedModel(
             stages[index],
             index,
