@@ -172,7 +172,10 @@ def test_fsdp_run_stopped_and_resumed_is_bit_identical(paratrain_cli: CLI, tmp_p
 
 
 def test_bench_measures_fsdp_and_says_when_it_is_the_only_fit() -> None:
-    combos = enumerate_combos(None, ["32"], [8], "cpu,cpu")
+    # on CPU processes fsdp is measured when named (the default set leaves it out)
+    default = enumerate_combos(None, ["32"], [8], "cpu,cpu")
+    assert [c.processes for c in default if c.strategy == "fsdp" and not c.skip_reason] == []
+    combos = enumerate_combos(["fsdp"], ["32"], [8], "cpu,cpu")
     fsdp = [c for c in combos if c.strategy == "fsdp"]
     assert [(c.processes, c.skip_reason) for c in fsdp] == [(2, None)]
     ran = Candidate("fsdpx2 32 b64", "ok", [100.0, 101.0, 102.0])
