@@ -88,6 +88,9 @@ def test_find_rename_needs_keys_missing_on_both_sides_and_a_better_match() -> No
     assert find_rename(shapes, shapes) is None
     assert find_rename(shapes, {"fc.w": (2, 3)}) is None  # nothing missing
     assert find_rename({"fc.w": (2, 3)}, shapes) is None  # nothing unexpected
+    # every checkpoint key is a model key: its names stand, even where a prefix would
+    # match a shape that the name as it is does not
+    assert find_rename({"w": (2,)}, {"w": (1,), "m.w": (2,)}) is None
     # no prefix explains u -> v: loading the names as they are is as good as it gets
     assert find_rename({"w": (1,), "u": (2,)}, {"w": (1,), "v": (2,)}) is None
 
