@@ -76,15 +76,25 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             *IN_PROCESS,
         ],
     ),
-    "data_paths": (["src/paratrain/data_paths.py"], ["tests/test_data_paths.py", *IN_PROCESS]),
+    "data_paths": (
+        ["src/paratrain/data_paths.py"],
+        ["tests/test_data_path_rules.py", "tests/test_data_paths.py", *IN_PROCESS],
+    ),
     "uneven": (["src/paratrain/uneven.py"], ["tests/test_uneven_join.py"]),
     "weights": (
         ["src/paratrain/weights.py"],
-        ["tests/test_load_weights.py", "tests/test_file_formats.py"],
+        [
+            "tests/test_weights.py",
+            "tests/test_load_weights.py",
+            "tests/test_file_formats.py",
+            *IN_PROCESS,
+        ],
     ),
+    # the checkpoint directory and its manifest; the rest of training_state (snapshot, rng,
+    # background saving) is exercised by launched runs mutmut cannot see
     "training_state": (
-        ["src/paratrain/training_state/*"],
-        ["tests/test_resume.py", "tests/test_crash_safety.py"],
+        ["src/paratrain/training_state/store.py", "src/paratrain/training_state/manifest.py"],
+        ["tests/test_checkpoint_store.py", "tests/test_checkpoint_integrity.py", *IN_PROCESS],
     ),
     "gradient_sync": (
         ["src/paratrain/strategies/ddp.py", "src/paratrain/strategies/distributed.py"],
