@@ -70,7 +70,9 @@ def test_majority_prefixes_count_up_to_three_segments_held_by_half_the_keys() ->
     keys = ["a.b.c.d.w", "a.b.x", "z"]  # a.: 2, a.b.: 2, a.b.c.: 1 of 3; a.b.c.d. too deep
     assert _majority_prefixes(keys) == ["a.", "a.b."]
     assert _majority_prefixes(["a.w", "b.w"]) == ["a.", "b."]  # exactly half counts
+    assert _majority_prefixes(["a.b.c.d.w", "a.b.c.d.v"]) == ["a.", "a.b.", "a.b.c."]
     assert _majority_prefixes(["a.b.c.d.w", "a.b.c.d.v"], depth=4)[-1] == "a.b.c.d."
+    assert _majority_prefixes(["a.w", "b.x.w", "c.x.w"]) == []  # each prefix counted once
 
 
 def test_find_rename_removes_adds_or_renames_a_prefix() -> None:
