@@ -20,12 +20,12 @@ CPU = torch.device("cpu")
 
 
 def _setup(loader: DataLoader[Any], data_path: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("seed", 0)
     return setup_data_path(
         loader,
         device=CPU,
         rank=0,
         world_size=1,
-        seed=0,
         evaluation=False,
         sink=SimpleNamespace(loss_weight=1.0, at_last_batch=False),
         data_path=data_path,
@@ -86,4 +86,32 @@ def test_loaders_whose_batches_cannot_be_cut(loader: Any, reason: str) -> None:
         _setup(loader(), "batched")
     assert str(raised.value) == (
         f'data path "batched" does not apply: the loader has {reason}; use "loader" or "auto"'
+    )
+
+
+def test_defaults_global_batch_and_agreed_order_reach_the_sampler() -> None:
+    plain = setup_data_path(
+        DataLoader(_data(), batch_size=4),
+        device=CPU,
+        rank=0,
+        world_size=1,
+        seed=0,
+        evaluation=False,
+        sink=None,
+    )
+    assert plain.data_path == "batched"  # "auto" unless told
+    loader = DataLoader(_data(), batch_size=4, shuffle=True)
+    agreed = _setup(loader, "batched", batch_size=2, agree=lambda drawn: 123, seed=None)
+    expected = torch.randperm(8, generator=torch.Generator().manual_seed(123))
+    batches = [b[0].flatten() for b in agreed]
+    assert len(batches) == 4 and torch.equal(torch.cat(batches), expected.float())
+
+
+def test_a_loader_with_its_own_sampler_is_told_how_to_build_one() -> None:
+    with pytest.raises(UserError) as raised:
+        _setup(DataLoader(_data(), batch_size=None), "batched")
+    assert str(raised.value) == (
+        'data path "batched" does not apply: the loader has its own sampler or batch_sampler, '
+        "or no batch_size; build it with batch_size and shuffle=True or False; "
+        'use "loader" or "auto"'
     )

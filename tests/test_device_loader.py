@@ -85,6 +85,7 @@ def test_an_iteration_under_no_grad_is_reported() -> None:
     loader, seen = _device_loader(0, 1, None), []
     loader.on_no_grad = seen.append
     list(loader)
+    assert seen == []  # a training loop's iteration
     with torch.no_grad():
         list(loader)
     assert seen == [loader]
