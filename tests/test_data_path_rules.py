@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from paratrain.batched_loader import TensorBatchLoader
 from paratrain.data_paths import check_data_path, device_budget_bytes, setup_data_path
@@ -115,3 +115,15 @@ def test_a_loader_with_its_own_sampler_is_told_how_to_build_one() -> None:
         "or no batch_size; build it with batch_size and shuffle=True or False; "
         'use "loader" or "auto"'
     )
+
+
+def test_auto_falls_back_to_the_sharded_loader_whole() -> None:
+    sink = SimpleNamespace(loss_weight=1.0, at_last_batch=False)
+    own = DataLoader(_data(), batch_size=4, collate_fn=lambda rows: default_collate(rows))
+    loader = setup_data_path(
+        own, device=CPU, rank=0, world_size=1, seed=0, evaluation=False, sink=sink
+    )
+    assert loader.data_path == "loader" and loader.device == CPU and not loader.evaluation
+    seen = [(b[0].flatten().tolist(), sink.at_last_batch) for b in loader]
+    assert seen == [([0, 1, 2, 3], False), ([4, 5, 6, 7], True)]
+    assert loader.epoch == 0
