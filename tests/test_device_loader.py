@@ -89,6 +89,8 @@ def test_an_iteration_under_no_grad_is_reported() -> None:
     with torch.no_grad():
         list(loader)
     assert seen == [loader]
+    with torch.no_grad():  # nobody listening: nothing to call
+        assert len(list(_device_loader(0, 1, None))) == 4
     assert not loader.evaluation and _device_loader(0, 1, None, evaluation=True).evaluation
     assert loader.dataset is loader.loader.dataset and len(loader) == 4
 

@@ -71,6 +71,7 @@ def test_plain_tensors_are_detached_contiguous_and_apart() -> None:
     assert list(plain) == ["a", "b", "c"]
     assert not plain["a"].requires_grad and plain["c"].is_contiguous()
     assert plain["a"].data_ptr() != plain["b"].data_ptr()  # safetensors refuses shared storage
+    assert plain["a"].data_ptr() == weight.data_ptr()  # only the second of a tie is copied
     assert torch.equal(plain["b"], weight.detach()) and torch.equal(plain["c"], state["c"])
 
 
