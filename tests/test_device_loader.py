@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler, TensorDataset
 
 from paratrain.errors import UserError
-from paratrain.loaders import DeviceLoader, shard_loader
+from paratrain.loaders import DeviceLoader, ShardedBatchSampler, shard_loader
 
 CPU = torch.device("cpu")
 
@@ -183,3 +183,59 @@ def test_the_loaders_own_generator_is_kept_and_replacement_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         shard_loader(loader, rank=0, world_size=1, seed=0, evaluation=False, pin_memory=False)
+
+
+def test_sharding_keeps_the_workers_settings_and_passes_agree_on() -> None:
+    def agree(drawn: int) -> int:
+        return drawn
+
+    loader = DataLoader(
+        _data(),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        prefetch_factor=3,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+    )  # no worker starts until iterated
+    rebuilt, sampler = shard_loader(
+        loader, rank=0, world_size=1, seed=None, evaluation=False, pin_memory=False, agree=agree
+    )
+    assert sampler is not None and sampler.agree is agree
+    assert rebuilt.num_workers == 2 and rebuilt.prefetch_factor == 3 and rebuilt.persistent_workers
+    assert rebuilt.multiprocessing_context is loader.multiprocessing_context
+
+
+def test_rank_0s_draw_is_what_every_rank_agrees_on() -> None:
+    told: list[int] = []
+    sampler = ShardedBatchSampler(
+        6, 6, shuffle=True, seed=None, agree=lambda d: told.append(d) or d
+    )
+    torch.manual_seed(2)
+    drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+    torch.manual_seed(2)
+    sampler.order()
+    assert told == [drawn]
+
+
+def test_loaders_that_cannot_be_split_say_how_to_build_one() -> None:
+    with pytest.raises(UserError) as raised:
+        shard_loader(
+            DataLoader(_Stream(), batch_size=2),
+            rank=0,
+            world_size=2,
+            seed=0,
+            evaluation=False,
+            pin_memory=False,
+        )
+    assert str(raised.value) == (
+        "several processes need a map-style dataset and a loader with batch_size; "
+        "an IterableDataset or a custom batch_sampler cannot be split across processes"
+    )
+    subset = DataLoader(_data(), batch_size=2, sampler=SubsetRandomSampler([0, 1]))
+    with pytest.raises(UserError) as raised:
+        shard_loader(subset, rank=0, world_size=2, seed=0, evaluation=False, pin_memory=False)
+    assert str(raised.value) == (
+        "the loader's sampler SubsetRandomSampler cannot be split across processes; "
+        "build the DataLoader with shuffle=True or shuffle=False instead"
+    )
