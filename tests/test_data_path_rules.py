@@ -13,8 +13,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from paratrain.batched_loader import TensorBatchLoader
-from paratrain.data_paths import check_data_path, device_budget_bytes, setup_data_path
+from paratrain.data_paths import (
+    _device_unfit,
+    check_data_path,
+    device_budget_bytes,
+    setup_data_path,
+)
 from paratrain.errors import UserError
+from paratrain.tensor_data import TensorRows, tensor_rows
 
 CPU = torch.device("cpu")
 
@@ -47,7 +53,9 @@ def test_arguments_that_apply() -> None:
     check_data_path("device", 0.5, torch.device("cuda", 0))
     check_data_path("batched", None, CPU)
     check_data_path("device")  # the device is not known yet: decided when set up
-    with pytest.raises(UserError, match='data path "device" does not apply: it needs a CUDA'):
+    with pytest.raises(
+        UserError, match="it needs a CUDA or MPS device, and this process trains on cpu"
+    ):
         check_data_path("device", None, CPU)
 
 
@@ -127,3 +135,11 @@ def test_auto_falls_back_to_the_sharded_loader_whole() -> None:
     seen = [(b[0].flatten().tolist(), sink.at_last_batch) for b in loader]
     assert seen == [([0, 1, 2, 3], False), ([4, 5, 6, 7], True)]
     assert loader.epoch == 0
+
+
+def test_data_exactly_the_budget_fits() -> None:
+    rows = tensor_rows(TensorDataset(torch.zeros(256, 1024)))  # 1 MiB
+    assert isinstance(rows, TensorRows)
+    cuda = torch.device("cuda", 0)  # the budget is given: nothing asks the device
+    assert _device_unfit(rows, cuda, 1 / 1024) is None
+    assert _device_unfit(rows, cuda, 1 / 2048) is not None
