@@ -55,7 +55,9 @@ def test_a_checkpoint_is_its_files_and_a_manifest_and_nothing_else(tmp_path: Pat
         "model.safetensors",
         "state.json",
     ]
-    written = json.loads((final / "manifest.json").read_text())
+    text = (final / "manifest.json").read_text()
+    assert text.startswith('{\n  "files": {\n') and text.endswith("}\n")  # sorted, for people
+    written = json.loads(text)
     assert written["format"] == 1 and written["step"] == 3
     assert written["files"]["model.safetensors"] == {
         "size": 3,
@@ -150,6 +152,9 @@ def test_os_error_messages() -> None:
     denied = OSError(errno.EACCES, "Permission denied")
     assert _os_error(denied, where) == f"cannot write {where}: Permission denied"
     assert _os_error(OSError("plain"), where) == f"cannot write {where}: plain"
+    bare = OSError()
+    bare.errno = errno.ENOSPC  # no words of its own
+    assert _os_error(bare, where) == f"no space left on device while writing {where}: "
 
 
 def test_removing_every_checkpoint(tmp_path: Path) -> None:
