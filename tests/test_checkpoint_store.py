@@ -38,6 +38,10 @@ def _save(run: Path, step: int, keep: int = 10) -> Path:
     return write_checkpoint(run, step, _files(step), keep)
 
 
+def test_a_run_folder_that_does_not_exist_yet_is_made(tmp_path: Path) -> None:
+    assert _save(tmp_path / "runs" / "first", 1).is_dir()
+
+
 def test_names_and_steps() -> None:
     assert checkpoint_name(7) == "step-000007"
     assert checkpoint_name(1234567) == "step-1234567"
