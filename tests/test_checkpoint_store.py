@@ -136,11 +136,19 @@ def test_a_failed_write_leaves_nothing_and_says_why(tmp_path: Path) -> None:
 
     with pytest.raises(UserError) as raised:
         write_checkpoint(tmp_path, 2, {"model.safetensors": full}, 3)
+    final = tmp_path / "checkpoints" / "step-000002"
     said = str(raised.value)  # atomic_write's own message, kept whole
     assert said.startswith("no space left on device while writing ") and "step-000002" in said
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     with pytest.raises(UserError, match="no space left"):
         write_checkpoint(tmp_path, 2, _files(2), 3, size=1 << 62)
+
+    def denied(path: Path) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(UserError) as raised:
+        write_checkpoint(tmp_path, 2, {"model.safetensors": denied}, 3)
+    assert str(raised.value) == f"cannot write {final}: Permission denied"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
 
 
