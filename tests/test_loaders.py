@@ -71,3 +71,68 @@ def test_permutation_matches_torch_randperm_seeding() -> None:
     sampler.set_epoch(2)
     expected = torch.randperm(10, generator=torch.Generator().manual_seed(9)).tolist()
     assert next(iter(sampler)) == expected
+
+
+def test_drop_last_and_evaluation_decide_the_last_batch() -> None:
+    def sizes(n: int, world: int, **kwargs: bool) -> list[int]:
+        return ShardedBatchSampler(
+            n, 4, shuffle=False, seed=0, world_size=world, **kwargs
+        ).global_batch_sizes()
+
+    assert sizes(14, 2, drop_last=True) == [4, 4, 4]
+    assert sizes(14, 2, drop_last=True, evaluation=True) == [4, 4, 4]
+    assert sizes(13, 3, evaluation=True) == [4, 4, 4, 1]  # smaller than the world: still seen
+    assert sizes(12, 3, evaluation=True) == [4, 4, 4]
+
+
+def test_each_rank_gets_its_tensor_split_part_and_skips_an_empty_one() -> None:
+    parts = [
+        ShardedBatchSampler(13, 4, shuffle=False, seed=0, rank=r, world_size=3, evaluation=True)
+        for r in range(3)
+    ]
+    assert [p.local_span(5) for p in parts] == [(0, 2), (2, 4), (4, 5)]
+    assert [list(p) for p in parts] == [
+        [[0, 1], [4, 5], [8, 9], [12]],
+        [[2], [6], [10]],
+        [[3], [7], [11]],  # its part of the last batch (one sample) is empty
+    ]
+    assert [len(p) for p in parts] == [4, 3, 3]
+    parts[0].set_epoch(0, start_batch=1)
+    assert list(parts[0]) == [[4, 5], [8, 9], [12]] and len(parts[0]) == 3
+    # evaluation takes any batch size; training needs one sample per process at least
+    assert (
+        len(ShardedBatchSampler(10, 2, shuffle=False, seed=0, world_size=4, evaluation=True)) == 5
+    )
+    assert len(ShardedBatchSampler(10, 4, shuffle=False, seed=0, world_size=4)) == 2
+
+
+def test_unseeded_orders_come_from_the_loaders_generator_or_rank_0s_draw() -> None:
+    generator, copy = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    sampler = ShardedBatchSampler(10, 10, shuffle=True, seed=None, generator=generator)
+    assert sampler.order().tolist() == torch.randperm(10, generator=copy).tolist()
+    agreed = ShardedBatchSampler(10, 10, shuffle=True, seed=None, agree=lambda drawn: 123)
+    expected = torch.randperm(10, generator=torch.Generator().manual_seed(123)).tolist()
+    assert agreed.order().tolist() == expected
+    torch.manual_seed(4)
+    drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+    torch.manual_seed(4)
+    unseeded = ShardedBatchSampler(10, 10, shuffle=True, seed=None).order().tolist()
+    assert unseeded == torch.randperm(10, generator=torch.Generator().manual_seed(drawn)).tolist()
+    assert ShardedBatchSampler(4, 2, shuffle=False, seed=None).order().tolist() == [0, 1, 2, 3]
+
+
+def test_an_epoch_draws_from_the_loaders_generator_as_random_sampler_does() -> None:
+    from torch.utils.data import RandomSampler
+
+    generator, reference = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    sampler = ShardedBatchSampler(8, 4, shuffle=True, seed=None, generator=generator)
+    assert sorted(i for batch in sampler for i in batch) == list(range(8))
+    list(RandomSampler(range(8), generator=reference))  # a permutation, then an empty one
+    assert torch.equal(generator.get_state(), reference.get_state())
+    before = generator.get_state()
+    for unshuffled in (
+        ShardedBatchSampler(8, 4, shuffle=False, seed=None, generator=generator),
+        ShardedBatchSampler(8, 4, shuffle=True, seed=1, generator=generator),  # seeded: its own
+    ):
+        list(unshuffled)
+        assert torch.equal(generator.get_state(), before)
