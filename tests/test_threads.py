@@ -178,11 +178,12 @@ def test_the_same_command_gives_the_same_weights_whatever_the_load(
         assert (tmp_path / run / "model.safetensors").read_bytes() == weights, run
 
 
-def test_the_command_waits_passively_a_script_keeps_its_own(
+def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`python -m paratrain` and the `paratrain` script get OMP_WAIT_POLICY=PASSIVE before
-    torch is imported (OpenMP reads it then); a script importing paratrain keeps its own."""
+    torch is imported (OpenMP reads it then) where other work keeps a core busy, and
+    OpenMP's default (spinning: fastest) on a quiet machine; a script keeps its own."""
     import subprocess
     import sys
 
@@ -193,9 +194,25 @@ def test_the_command_waits_passively_a_script_keeps_its_own(
     for argv0, command in (("-m", True), ("/usr/bin/paratrain", True), ("train.py", False)):
         monkeypatch.setattr(sys, "argv", [argv0])
         assert wait_policy.is_the_command() is command
-    code = "import os, sys; sys.argv[0] = '-m'; import paratrain; "
+    assert [wait_policy.policy_for(b) for b in (0.0, 0.9, 1.0, 3.0)] == [
+        None, None, "PASSIVE", "PASSIVE"
+    ]  # fmt: skip
+    code = "import os, sys; sys.argv[0] = '{argv0}'; import paratrain; "
     code += "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
     env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    seen = {}
+    for argv0, busy in (("-m", "1"), ("-m", "0"), ("train.py", "1")):
+        env[wait_policy.BUSY_VARIABLE] = busy
+        done = subprocess.run(
+            [sys.executable, "-c", code.format(argv0=argv0)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        seen[(argv0, busy)] = done.stdout.split()
     # set when paratrain is imported, and torch is not imported with it: in place before
-    assert done.stdout.split() == ["PASSIVE", "False"], done.stderr
+    assert seen == {
+        ("-m", "1"): ["PASSIVE", "False"],
+        ("-m", "0"): ["None", "False"],
+        ("train.py", "1"): ["None", "False"],
+    }

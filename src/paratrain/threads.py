@@ -10,9 +10,11 @@ for a core it does not have, and a small model trains ~100x slower (2 cores, dig
   bits differ, ~1e-7), so a count that followed the load would make the same command
   give different weights on a busy and on a quiet machine. The count is fixed for the
   whole run, recorded in ``config.json``, and a resumed run uses the recorded count;
-* ``OMP_WAIT_POLICY=PASSIVE`` for the processes it starts and for the one ``paratrain``
-  runs in (read by OpenMP when torch is imported): a waiting thread sleeps instead of
-  spinning, so a machine that is or gets busy costs a few times, not a hundred.
+* ``OMP_WAIT_POLICY=PASSIVE`` for the processes it starts (read by OpenMP when torch is
+  imported): a waiting thread sleeps instead of spinning, so a machine that is or gets busy
+  costs a few times, not a hundred. The process ``paratrain`` itself runs in sleeps too
+  where the machine is busy when the command starts, and spins (fastest) where it is quiet
+  (:mod:`paratrain.wait_policy`: the policy changes the speed, never the weights).
 
 An explicit choice wins: ``threads`` (``--threads``, ``Runtime(threads=...)``), then
 ``OMP_NUM_THREADS`` set by the user.
@@ -26,6 +28,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from paratrain.wait_policy import busy_cores  # noqa: F401  (re-exported: bench reads the load)
 
 #: set by paratrain for the processes it starts: the thread count chosen for them
 CHOSEN_VARIABLE = "PARATRAIN_THREADS"
@@ -104,27 +108,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
-
-
-def busy_cores(samples: int = 5, interval: float = 0.01) -> float:
-    """How many cores other processes keep busy now: runnable tasks in ``/proc/loadavg``
-    less this one (the median of a few looks), else the 1-minute load average."""
-    looks: list[int] = []
-    for i in range(samples):
-        try:
-            with open("/proc/loadavg", encoding="ascii") as handle:
-                running = int(handle.read().split()[3].split("/")[0])
-        except (OSError, ValueError, IndexError):
-            break
-        looks.append(max(0, running - 1))  # this process is running while it reads
-        if i + 1 < samples:
-            time.sleep(interval)
-    if looks:
-        return float(sorted(looks)[len(looks) // 2])
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
 
 
 def inherited_choice() -> ThreadChoice | None:

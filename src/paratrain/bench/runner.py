@@ -34,7 +34,7 @@ class BenchSettings:
     precisions: list[str] | None = None
     batch_sizes: list[int] | None = None
     devices: str | None = None
-    steps: int = 30
+    steps: int = 100
     warmup: int = 5
     repeats: int = 5
     seed: int = 0

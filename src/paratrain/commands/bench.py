@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--precisions", help="comma list of 32, bf16, fp16; default: native ones")
     p.add_argument("--batch-sizes", help="comma list of global batch sizes; default: recipe's")
     p.add_argument("--devices", help="for multi-device strategies: a count or a list (cpu,cpu)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per repeat (default 30)")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per window (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument(
         "--repeats", type=int, default=5, help="timed windows per combination (default 5)"
