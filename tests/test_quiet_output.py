@@ -74,11 +74,11 @@ def test_train_with_a_failed_download_writes_nothing(
 
 
 def test_the_threads_set_for_started_processes_are_said_unless_the_user_chose() -> None:
-    chosen = choose_threads(cores=8, processes=2, busy=0.0)
+    chosen = choose_threads(cores=8, processes=2)
     note = started_note(chosen, 2)
     assert note is not None and "OMP_NUM_THREADS=4 for each of the 2 process(es)" in note
-    assert started_note(choose_threads(8, 2, 0.0, inherited="3"), 2) is None
-    assert started_note(choose_threads(8, 2, 0.0, requested=2), 2) is None  # --threads
+    assert started_note(choose_threads(8, 2, inherited="3"), 2) is None
+    assert started_note(choose_threads(8, 2, requested=2), 2) is None  # --threads
 
 
 def test_a_reader_that_leaves_early_gets_no_error(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import sys
 import types
@@ -61,6 +62,12 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+# pickled by name, as plain modules are (Ray ships a trainable that refers to paratrain)
+def _by_name(module: _Package) -> tuple[Any, tuple[str]]:
+    return importlib.import_module, (module.__name__,)
+
+
+copyreg.pickle(_Package, _by_name)
 
 __all__ = [
     "LoadReport",

@@ -102,6 +102,14 @@ def acquire(run_dir: str | Path) -> RunLock:
     raise UserError(f"cannot lock {directory}: other processes keep taking its lock")
 
 
+def refuse_if_held(run_dir: str | Path) -> None:
+    """Raise ``UserError`` naming the live owner if another process holds ``run_dir``'s
+    lock: checked before anything reads the run, whose files that owner is changing."""
+    owner = _read(Path(run_dir) / LOCK)
+    if owner is not None and not _is_mine(owner) and _alive(owner):
+        raise UserError(_refusal(Path(run_dir), owner))
+
+
 @contextlib.contextmanager
 def hold(run_dir: str | Path) -> Iterator[RunLock]:
     lock = acquire(run_dir)

@@ -297,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "resume", None) is not None:
         if getattr(args, "fresh", False):
             raise UserError("--resume continues a run; --fresh would start over: drop one")
+        if directory is not None:  # a run another process writes: said before reading it
+            run_lock.refuse_if_held(directory)
         cfg = resume_config(args.resume, given_options(args))
     else:
         cfg = config_from_args(args)
