@@ -93,7 +93,8 @@ def trace_step(
     """Trace two training steps of ``batch`` samples (the second one holds the optimizer's
     state, as every later step does) under ``precision``'s autocast (bf16, fp16); ``wrap``
     changes the model before tracing (activation checkpointing); ``stages`` > 1: also how
-    the pipeline's default cut into that many stages shares the parameters."""
+    the pipeline's default cut into that many stages shares the parameters and the
+    activations."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
