@@ -89,6 +89,47 @@ def test_pipeline_stages_hold_their_own_layers_and_all_their_gradients() -> None
     assert first.gradients == first.parameters and last.gradients == last.parameters
 
 
+def test_pipeline_activations_sit_in_the_stage_whose_layers_make_them() -> None:
+    """--strategy cpu tracing, pipeline x2: a wide block (large activations) and a narrow
+    one, in both orders; the stage holding the wide block holds most of the activations
+    (an even split would give the first stage twice the last's, in either order)."""
+
+    def wide() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 512), nn.ReLU(), nn.Linear(512, 2))
+
+    def narrow() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 8), nn.Linear(8, 2))
+
+    def builder(first_wide: bool) -> Any:
+        def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randn(n, 2), torch.randn(n, 2)
+
+        def build() -> Any:
+            blocks = (wide(), narrow()) if first_wide else (narrow(), wide())
+            model = nn.Sequential(*blocks)
+            return model, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1), sample
+
+        return build
+
+    for first_wide in (True, False):
+        build = builder(first_wide)
+        plan = plan_memory(
+            lambda b, build=build: trace_step(build, b, stages=2),
+            "wide-narrow",
+            64,
+            "32",
+            2,
+            "cpu",
+            1 << 40,
+            "-",
+        )
+        first, last = next(p for p in plan.layouts if p.layout == "pipeline").devices
+        if first_wide:
+            assert first.activations > 8 * last.activations
+        else:
+            assert last.activations > 2 * first.activations
+
+
 def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
     """`paratrain plan --accelerator cpu` (cpu, cpu,cpu): JSON with every kind of memory per
     device and the memory activation checkpointing saves; a size it cannot read is one line

@@ -14,8 +14,8 @@ changes:
   parameters (and gradients) of the two largest blocks at a time and what no block holds;
 * ``pipeline`` xN: each stage the parameters, all the gradients and the optimizer state of
   its layers (where the pipeline cuts the model; 1/N where the trace was not asked to cut),
-  and 1/N of the activations of the micro-batches in flight (1F1B: up to N of the 4, GPipe:
-  all).
+  and its own layers' share of the activations (as their outputs are; 1/N where not cut) of
+  the micro-batches in flight (1F1B: up to N of the 4, GPipe: all).
 """
 
 from __future__ import annotations
@@ -61,6 +61,15 @@ def _stage_shares(whole: StepTrace, n: int) -> list[float]:
     return [size / sum(stages) for size in stages]
 
 
+def _activation_shares(whole: StepTrace, n: int) -> list[float]:
+    """Each stage's share of the activations: as its own modules' outputs are, where the
+    trace cut the model, else even."""
+    stages = whole.stage_activation_bytes
+    if len(stages) != n or not sum(stages):
+        return [1 / n] * n
+    return [size / sum(stages) for size in stages]
+
+
 def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Breakdown]:
     """Each device's peak under ``layout``: ``trace`` at its per-device batch, ``whole`` at
     the global batch (pipeline's stages and dp's gathered outputs read it)."""
@@ -87,9 +96,11 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
                 parameters=share,
                 gradients=0,
                 optimizer=share,
-                activations=flight / n,
+                activations=flight * acts,
                 other=1 / n,
             ).plus(gradients=share * whole.parameter_bytes)
-            for share, flight in zip(_stage_shares(whole, n), in_flight, strict=True)
+            for share, acts, flight in zip(
+                _stage_shares(whole, n), _activation_shares(whole, n), in_flight, strict=True
+            )
         ]
     return [peak]

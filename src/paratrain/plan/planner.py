@@ -99,6 +99,8 @@ class Traces:
             high.parameter_bytes,
             high.largest_block_bytes,
             high.unblocked_bytes,
+            high.stage_parameter_bytes,
+            high.stage_activation_bytes,
         )
 
 

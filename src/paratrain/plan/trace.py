@@ -77,6 +77,9 @@ class StepTrace:
     #: bytes of the parameters of each pipeline stage, first to last, as ``--strategy
     #: pipeline`` cuts the model for the ``stages`` asked (empty: not asked, or not cut)
     stage_parameter_bytes: tuple[int, ...] = ()
+    #: bytes of the outputs of the modules in each of those stages in one forward: where
+    #: the activations sit (a stage of convolutions holds more than one large linear layer)
+    stage_activation_bytes: tuple[int, ...] = ()
 
 
 def trace_step(
@@ -90,7 +93,8 @@ def trace_step(
     """Trace two training steps of ``batch`` samples (the second one holds the optimizer's
     state, as every later step does) under ``precision``'s autocast (bf16, fp16); ``wrap``
     changes the model before tracing (activation checkpointing); ``stages`` > 1: also how
-    the pipeline's default cut into that many stages shares the parameters."""
+    the pipeline's default cut into that many stages shares the parameters and the
+    activations."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -103,13 +107,18 @@ def trace_step(
             model = wrap(model)
         optimizer = make_optimizer(model.parameters())
         inputs, targets = sample(batch)
+        stage_modules = _stage_modules(model, stages) if stages > 1 else []
+        produced, hooks = _count_outputs(model)
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
         output_bytes = 0
         with tracker:
-            for _ in range(2):
+            for step in range(2):
                 with _autocast(precision):
                     output = model(inputs)
+                    if step == 0:  # the counts of one forward (not a recomputed one)
+                        for hook in hooks:
+                            hook.remove()
                     output_bytes = output.numel() * output.element_size()
                     loss = loss_fn(output, targets)
                 loss.backward()
@@ -120,7 +129,10 @@ def trace_step(
         snapshot = tracker.get_tracker_snapshot("peak")
         blocks = [_bytes(block) for block in choose_blocks(model)]
         parameter_bytes = _bytes(model)
-        stage_bytes = _stage_bytes(model, stages) if stages > 1 else ()
+        stage_bytes = tuple(_bytes(stage) for stage in stage_modules)
+        stage_outputs = tuple(
+            sum(produced.get(id(m), 0) for m in stage.modules()) for stage in stage_modules
+        )
     return StepTrace(
         batch,
         _breakdown(snapshot),
@@ -129,16 +141,32 @@ def trace_step(
         max(blocks, default=0),
         parameter_bytes - sum(blocks),
         stage_bytes,
+        stage_outputs,
     )
 
 
-def _stage_bytes(model: nn.Module, stages: int) -> tuple[int, ...]:
+def _stage_modules(model: nn.Module, stages: int) -> list[nn.Module]:
     from paratrain.strategies.pipeline_plan import plan_stages
 
     try:
-        return tuple(_bytes(stage) for stage in plan_stages(model, stages))
+        return plan_stages(model, stages)
     except UserError:  # a model pipeline cannot cut: the layouts assume even stages
-        return ()
+        return []
+
+
+def _count_outputs(model: nn.Module) -> tuple[dict[int, int], list[Any]]:
+    """Bytes each leaf module's outputs take in a forward (by the module's id), counted by
+    forward hooks that the caller removes after one forward."""
+    produced: dict[int, int] = {}
+
+    def count(module: nn.Module, _: Any, output: Any) -> None:
+        leaves = torch.utils._pytree.tree_leaves(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        produced[id(module)] = produced.get(id(module), 0) + size
+
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    return produced, [m.register_forward_hook(count) for m in leaves]
 
 
 def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
