@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import paratrain
+from paratrain.checkpoints.weights import save_weights
 from paratrain.models import resnet18
-from paratrain.weights import save_weights
 
 
 def timed(fn: Callable[[], object], repeats: int) -> list[float]:

@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import TrainConfig
-from paratrain.devices import cpu_name
-from paratrain.recipes import get_recipe
-from paratrain.runtime import Runtime
-from paratrain.training_state import (
+from paratrain.checkpoints.state import (
     Checkpointer,
     Position,
     ProcessLayout,
     TrainingParts,
     load_checkpoint,
 )
+from paratrain.devices.machine import cpu_name
+from paratrain.runtime.facade import Runtime
+from paratrain.training.config import TrainConfig
+from paratrain.training.recipes import get_recipe
 
 BATCHES_PER_EPOCH = 195  # CIFAR-10's 50,000 images in batches of 256
 

@@ -5,7 +5,7 @@
 Builds scripts of the given sizes (KB) by concatenating the real public scripts of
 ``tests/doctor_scripts/real`` (each copy's functions renamed, so that the file stays one
 program with thousands of functions, classes, loaders and saves), then times
-``paratrain.doctor.diagnose`` on each: median of ``--repeats`` runs, CPU time of this process
+``paratrain.tools.doctor.diagnose`` on each: median of ``--repeats`` runs, CPU time of this process
 (wall time on a busy machine says more about the neighbours than about doctor), and the
 findings. Also reads a 200,000-term expression, which must fail with one line.
 """
@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from paratrain.doctor import diagnose
-from paratrain.errors import UserError
+from paratrain.tools.doctor import diagnose
+from paratrain.utils.errors import UserError
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "doctor_scripts" / "real"
 

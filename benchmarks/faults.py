@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from processes import alive, descendants, exposed, listening
 
-from paratrain.devices import cpu_name
+from paratrain.devices.machine import cpu_name
 
 
 def _env(stall: float | None) -> dict[str, str]:

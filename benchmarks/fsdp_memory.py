@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.bench.memory import peak_rss_bytes, training_state_bytes
 from paratrain.models import GPT, TokenCrossEntropy
+from paratrain.tools.bench.memory import peak_rss_bytes, training_state_bytes
 
 CONTEXT, VOCAB = 64, 256
 

@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import paratrain
 from paratrain.data.cifar import CIFAR_MEAN, CIFAR_STD
-from paratrain.devices import cpu_name
+from paratrain.devices.machine import cpu_name
 from paratrain.models import resnet18
 
 Steps = Iterator[None]  # each next() trains one step

@@ -1,5 +1,5 @@
 """Peak host memory per process while a GPT-style model is built, on the meta device
-(paratrain.meta_init) or whole (the eager way), by layout.
+(paratrain.models.meta_init) or whole (the eager way), by layout.
 
     python benchmarks/meta_init_memory.py [--width 768] [--depth 8]
 

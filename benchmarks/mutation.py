@@ -42,13 +42,13 @@ IN_PROCESS = ["-k", "not cli and not real_processes and not gloo_processes"]
 #: name -> (the source files mutated, the test files run against them); smallest and
 #: highest-value first
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "atomic": (["src/paratrain/atomic.py"], ["tests/test_atomic.py"]),
+    "atomic": (["src/paratrain/utils/atomic.py"], ["tests/test_atomic.py"]),
     "precision": (
-        ["src/paratrain/precision.py"],
+        ["src/paratrain/devices/precision.py"],
         ["tests/test_precision.py", "tests/test_runtime.py"],
     ),
     "optim": (
-        ["src/paratrain/optim.py"],
+        ["src/paratrain/runtime/optim.py"],
         [
             "tests/test_precision.py",
             "tests/test_optim_wrapper.py",
@@ -56,9 +56,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_runtime.py",
         ],
     ),
-    "batching": (["src/paratrain/batching.py"], ["tests/test_batch_size_per.py"]),
+    "batching": (["src/paratrain/runtime/batching.py"], ["tests/test_batch_size_per.py"]),
     "keys": (
-        ["src/paratrain/checkpoint/keys.py"],
+        ["src/paratrain/checkpoints/files/keys.py"],
         [
             "tests/test_checkpoint_keys.py",
             "tests/test_load_weights.py",
@@ -67,7 +67,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "loaders": (
-        ["src/paratrain/loaders.py", "src/paratrain/batched_loader.py"],
+        ["src/paratrain/data/loaders.py", "src/paratrain/data/batched_loader.py"],
         [
             "tests/test_loaders.py",
             "tests/test_device_loader.py",
@@ -77,12 +77,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "data_paths": (
-        ["src/paratrain/data_paths.py"],
+        ["src/paratrain/data/paths.py"],
         ["tests/test_data_path_rules.py", "tests/test_data_paths.py", *IN_PROCESS],
     ),
-    "uneven": (["src/paratrain/uneven.py"], ["tests/test_uneven_join.py"]),
+    "uneven": (["src/paratrain/runtime/uneven.py"], ["tests/test_uneven_join.py"]),
     "weights": (
-        ["src/paratrain/weights.py"],
+        ["src/paratrain/checkpoints/weights.py"],
         [
             "tests/test_weights.py",
             "tests/test_load_weights.py",
@@ -93,7 +93,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # the checkpoint directory and its manifest; the rest of training_state (snapshot, rng,
     # background saving) is exercised by launched runs mutmut cannot see
     "training_state": (
-        ["src/paratrain/training_state/store.py", "src/paratrain/training_state/manifest.py"],
+        ["src/paratrain/checkpoints/state/store.py", "src/paratrain/checkpoints/state/manifest.py"],
         ["tests/test_checkpoint_store.py", "tests/test_checkpoint_integrity.py", *IN_PROCESS],
     ),
     "gradient_sync": (

@@ -13,7 +13,7 @@ for a core do not inflate).
 cut out of the TensorDataset by index); ``paratrain-loader`` keeps the DataLoader's
 per-sample path, which shows the runtime's own cost. ``--collective-check`` instead trains
 ``ddp`` on two CPU processes with the collective order check
-(:mod:`paratrain.collective_order`) running and stopped, in interleaved rounds.
+(:mod:`paratrain.distributed.collective_order`) running and stopped, in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paratrain.devices import cpu_name
+from paratrain.devices.machine import cpu_name
 
 EpochFn = Callable[[], int]  # runs one epoch, returns the number of steps
 
@@ -117,7 +117,7 @@ CONTENDERS: dict[str, tuple[Callable[[int, int], EpochFn], str | None]] = {
 
 def _check_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
     """In each ddp process: the same epochs with the order check running, then stopped."""
-    from paratrain import collective_order
+    from paratrain.distributed import collective_order
 
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = rt.setup(model, optimizer)

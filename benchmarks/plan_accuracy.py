@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.commands.plan import recipe_builder
+from paratrain.cli.commands.plan import recipe_builder
 from paratrain.models import GPT
-from paratrain.plan import plan_memory, trace_step
+from paratrain.tools.plan import plan_memory, trace_step
 
 MODELS = {
     "digits": 64,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import paratrain
-from paratrain import preemption
+from paratrain.launching import preemption
 
 LAYOUTS = {
     "cpu": ["--strategy", "cpu"],

@@ -23,9 +23,9 @@ import subprocess
 import sys
 import time
 
-from paratrain.commands import COMMAND_MODULES
+from paratrain.cli.commands import COMMAND_MODULES
 
-_HELP = "from paratrain.cli import main; main({argv!r})"
+_HELP = "from paratrain.cli.main import main; main({argv!r})"
 
 #: label -> the Python code a fresh interpreter runs
 CASES = {

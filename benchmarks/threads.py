@@ -43,7 +43,7 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str | None]]] = {
 }
 #: run as a script, not as the `paratrain` command (which sets OMP_WAIT_POLICY=PASSIVE)
 SPINNING = {"all cores, spinning (torch default)"}
-_AS_SCRIPT = "import sys; from paratrain.cli import main; sys.exit(main(sys.argv[1:]))"
+_AS_SCRIPT = "import sys; from paratrain.cli.main import main; sys.exit(main(sys.argv[1:]))"
 _SPEED = re.compile(r"\(([\d,]+) samples/s\)")
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain.cli import main
+from paratrain.cli.main import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
 from paratrain.models import DigitsCNN
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.weights import unwrap_model
+from paratrain.checkpoints.weights import unwrap_model
 
 GLOBAL_BATCH = 24
 ACCUMULATE = 4

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.models import GPT, resnet18
-from paratrain.plan import trace_step
+from paratrain.runtime.activation_checkpointing import apply_activation_checkpointing
+from paratrain.tools.plan import trace_step
 
 
 def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, checkpointed: bool) -> nn.Module:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.atomic import atomic_write, atomic_write_text, fsync_dir
+from paratrain.utils.atomic import atomic_write, atomic_write_text, fsync_dir
 
 OLD = "the previous, complete file\n"
 

@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.batching import global_batch_size
-from paratrain.cli import main
-from paratrain.errors import UserError
-from paratrain.weights import unwrap_model
+from paratrain.checkpoints.weights import unwrap_model
+from paratrain.cli.main import main
+from paratrain.runtime.batching import global_batch_size
+from paratrain.utils.errors import UserError
 
 TOLERANCE = 1e-5
 

@@ -14,8 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.bench.chart import write_chart
-from paratrain.bench.combos import (
+from paratrain.cli.main import main
+from paratrain.strategies import registry
+from paratrain.strategies.base import Strategy
+from paratrain.tools.bench.chart import write_chart
+from paratrain.tools.bench.combos import (
     Combo,
     default_precisions,
     enumerate_combos,
@@ -24,17 +27,14 @@ from paratrain.bench.combos import (
     parse_precision_list,
     parse_strategy_list,
 )
-from paratrain.bench.crossover import crossover_size, measure_crossover
-from paratrain.bench.placement import measure_placement
-from paratrain.bench.recommend import Candidate, recommend
-from paratrain.bench.report import BENCH_JSON, check_out, report_dict, write_json
-from paratrain.bench.runner import BenchReport, BenchSettings, RunResult
-from paratrain.bench.task import TaskSource
-from paratrain.bench.worker import collect
-from paratrain.cli import main
-from paratrain.errors import UserError
-from paratrain.strategies import registry
-from paratrain.strategies.base import Strategy
+from paratrain.tools.bench.crossover import crossover_size, measure_crossover
+from paratrain.tools.bench.placement import measure_placement
+from paratrain.tools.bench.recommend import Candidate, recommend
+from paratrain.tools.bench.report import BENCH_JSON, check_out, report_dict, write_json
+from paratrain.tools.bench.runner import BenchReport, BenchSettings, RunResult
+from paratrain.tools.bench.task import TaskSource
+from paratrain.tools.bench.worker import collect
+from paratrain.utils.errors import UserError
 
 no_gpu = pytest.mark.skipif(
     torch.cuda.is_available() or torch.backends.mps.is_available(),
@@ -345,10 +345,10 @@ def test_predicted_peaks_stand_next_to_the_measured_ones() -> None:
     """--strategy cpu and ddp on cpu,cpu: paratrain plan's peak per device (fake tensors)."""
     from rich.console import Console
 
-    from paratrain.bench.report import build_table
-    from paratrain.commands.bench import predict_memory
-    from paratrain.commands.plan import recipe_builder
-    from paratrain.plan import plan_memory, trace_step
+    from paratrain.cli.commands.bench import predict_memory
+    from paratrain.cli.commands.plan import recipe_builder
+    from paratrain.tools.bench.report import build_table
+    from paratrain.tools.plan import plan_memory, trace_step
 
     report = _report()
     predict_memory(report)
@@ -367,8 +367,8 @@ def test_predicted_peaks_stand_next_to_the_measured_ones() -> None:
 
 
 def test_activation_checkpointing_adds_a_combination_where_the_strategy_allows_it() -> None:
-    from paratrain.bench.combos import with_activation_checkpointing
-    from paratrain.bench.runner import _spec
+    from paratrain.tools.bench.combos import with_activation_checkpointing
+    from paratrain.tools.bench.runner import _spec
 
     combos = enumerate_combos(["cpu", "dp-balanced"], ["32"], [8], "cpu,cpu")
     doubled = with_activation_checkpointing(combos)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.cli import main
+from paratrain.cli.main import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

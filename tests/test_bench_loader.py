@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.bench.loader import LoaderRow, LoaderSetting, recommend, worker_counts
-from paratrain.bench.noise import within_noise
-from paratrain.bench.stats import Spread
-from paratrain.cli import main
+from paratrain.cli.main import main
+from paratrain.tools.bench.loader import LoaderRow, LoaderSetting, recommend, worker_counts
+from paratrain.tools.bench.noise import within_noise
+from paratrain.tools.bench.stats import Spread
 
 SCRIPT = """
 import torch

@@ -7,16 +7,16 @@ from typing import Any, ClassVar
 
 import pytest
 
-from paratrain.bench.noise import (
+from paratrain.tools.bench.noise import (
     CLEAR_LOSER,
     MachineLoad,
     clear_losers,
     relative_spread,
     within_noise,
 )
-from paratrain.bench.progress import BenchProgress
-from paratrain.bench.recommend import Candidate, recommend
-from paratrain.bench.stats import spread
+from paratrain.tools.bench.progress import BenchProgress
+from paratrain.tools.bench.recommend import Candidate, recommend
+from paratrain.tools.bench.stats import spread
 
 
 def test_a_gap_wider_than_the_noise_is_a_winner() -> None:
@@ -123,8 +123,8 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The runner's rounds (no processes: a worker that answers from a table)."""
-    from paratrain.bench import runner
-    from paratrain.bench.task import TaskSource
+    from paratrain.tools.bench import runner
+    from paratrain.tools.bench.task import TaskSource
 
     _FakeWorker.speeds = {
         "cpu 32 b16": 1000.0,  # the leader

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from paratrain import atomic
-from paratrain.atomic import atomic_write, atomic_write_text
-from paratrain.cli import main
-from paratrain.errors import UserError
-from paratrain.training_state import manifest
-from paratrain.training_state.store import write_checkpoint
+from paratrain.checkpoints.state import manifest
+from paratrain.checkpoints.state.store import write_checkpoint
+from paratrain.cli.main import main
+from paratrain.utils import atomic
+from paratrain.utils.atomic import atomic_write, atomic_write_text
+from paratrain.utils.errors import UserError
 
 CPU = ("--strategy", "cpu")
 COMMON = (*CPU, "--recipe", "linear", "--batch-size", "100", "--save-every", "2")

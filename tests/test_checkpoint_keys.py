@@ -1,4 +1,4 @@
-"""Key names across layouts (paratrain.checkpoint.keys), as pure functions: no model, no
+"""Key names across layouts (paratrain.checkpoints.files.keys), as pure functions: no model, no
 process (runs on `--strategy cpu`). The loading tests in test_load_weights.py go through
 them; these pin each rule so that a changed prefix count or tie-break fails here."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.checkpoint.keys import (
+from paratrain.checkpoints.files.keys import (
     _majority_prefixes,
     canonical_maps,
     common_prefix,

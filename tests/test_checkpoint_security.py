@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import paratrain
-from paratrain.checkpoint import read_checkpoint
-from paratrain.cli import main
-from paratrain.errors import UserError
-from paratrain.weights import save_weights
+from paratrain.checkpoints.files import read_checkpoint
+from paratrain.checkpoints.weights import save_weights
+from paratrain.cli.main import main
+from paratrain.utils.errors import UserError
 
 
 class Payload:

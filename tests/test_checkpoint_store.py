@@ -1,4 +1,4 @@
-"""Checkpoint directories and their manifests (paratrain.training_state.store, .manifest)
+"""Checkpoint directories and their manifests (paratrain.checkpoints.state.store, .manifest)
 as functions over a temporary folder: no model, no training, no process (`--strategy cpu`
 writes them this way). test_checkpoint_integrity.py and test_crash_safety.py go through
 training runs; these pin each rule: names, order, pruning, leftovers, messages."""
@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.errors import UserError
-from paratrain.training_state import manifest
-from paratrain.training_state.manifest import Damaged, verify
-from paratrain.training_state.store import (
+from paratrain.checkpoints.state import manifest
+from paratrain.checkpoints.state.manifest import Damaged, verify
+from paratrain.checkpoints.state.store import (
     _os_error,
     checkpoint_name,
     checkpoint_step,
@@ -25,6 +24,7 @@ from paratrain.training_state.store import (
     remove_leftovers,
     write_checkpoint,
 )
+from paratrain.utils.errors import UserError
 
 
 def _files(step: int) -> dict[str, manifest.Any]:

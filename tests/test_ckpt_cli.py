@@ -13,9 +13,9 @@ from conftest import cpu_data_parallel
 from safetensors.torch import load_file
 from torch import nn
 
-from paratrain import rundir
-from paratrain.cli import main
-from paratrain.weights import save_weights
+from paratrain.checkpoints.weights import save_weights
+from paratrain.cli.main import main
+from paratrain.training import rundir
 
 Run = Callable[..., tuple[int, str, str]]
 

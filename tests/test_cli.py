@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.cli import main
+from paratrain.cli.main import main
 from paratrain.data.cifar import write_fake_cifar_batches
 
 CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train there

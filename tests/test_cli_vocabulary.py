@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 from test_download import good_archive
 
-from paratrain.cli import build_parser, main, parse
-from paratrain.commands.tune import REFUSED, fetch_once, settings_from_args
+from paratrain.cli.commands.tune import REFUSED, fetch_once, settings_from_args
+from paratrain.cli.main import build_parser, main, parse
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR
 from paratrain.data.download import MD5_ENV, URL_ENV
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 #: the one name of each idea, and spellings of the same ideas no parser may show
 VOCABULARY = {"steps": "--steps", "devices": "--devices", "json": "--json", "out": "--out"}

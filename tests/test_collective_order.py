@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-from paratrain.collective_order import (
+from paratrain.distributed.collective_order import (
     CHECK_VARIABLE,
     END_OF_RUN,
     Ledger,
@@ -22,7 +22,7 @@ from paratrain.collective_order import (
     check_seconds,
     disagreement,
 )
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 CHECK = "3"  # seconds: the test waits this long, a user 50 by default
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.compile_check import FAULT_VARIABLE
-from paratrain.errors import UserError
+from paratrain.runtime.compile_check import FAULT_VARIABLE
+from paratrain.utils.errors import UserError
 
 
 def _mlp() -> nn.Module:

@@ -18,9 +18,9 @@ import torch
 from conftest import subprocess_env
 from safetensors.torch import load_file
 
-from paratrain.checkpoint import load_weights
+from paratrain.checkpoints.files import load_weights
+from paratrain.checkpoints.state import STALL_VARIABLE, list_checkpoints, read_state
 from paratrain.models import DigitsCNN
-from paratrain.training_state import STALL_VARIABLE, list_checkpoints, read_state
 
 # 23 batches (steps) per epoch, a checkpoint every 4 steps
 SETTINGS = ("--epochs", "1", "--batch-size", "64", "--save-every", "4", "--seed", "1")

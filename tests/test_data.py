@@ -20,7 +20,7 @@ from paratrain.data import (
     synthetic_cifar10,
     write_fake_cifar_batches,
 )
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 # --- digits -------------------------------------------------------------------------
 

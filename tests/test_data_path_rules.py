@@ -1,4 +1,4 @@
-"""How ``rt.setup_loader(data_path=...)`` chooses (paratrain.data_paths), called directly in
+"""How ``rt.setup_loader(data_path=...)`` chooses (paratrain.data.paths), called directly in
 this process on the CPU (`--strategy cpu`): the budget's arithmetic and each reason a path
 does not apply. test_data_paths.py checks that the paths give the same batches."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-from paratrain.batched_loader import TensorBatchLoader
-from paratrain.data_paths import (
+from paratrain.data.batched_loader import TensorBatchLoader
+from paratrain.data.paths import (
     _device_unfit,
     check_data_path,
     device_budget_bytes,
     setup_data_path,
 )
-from paratrain.errors import UserError
-from paratrain.tensor_data import TensorRows, tensor_rows
+from paratrain.data.tensor_data import TensorRows, tensor_rows
+from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
 

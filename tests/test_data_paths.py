@@ -20,14 +20,14 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import paratrain
-from paratrain.batched_loader import TensorBatchLoader
-from paratrain.cli import main
+from paratrain.cli.main import main
+from paratrain.data.batched_loader import TensorBatchLoader
 from paratrain.data.cifar import CIFAR_MEAN, CIFAR_STD, _to_dataset
 from paratrain.data.images import NormalizedImages
-from paratrain.data_paths import _device_unfit, setup_data_path
-from paratrain.errors import UserError
-from paratrain.loaders import DeviceLoader, shard_loader
-from paratrain.tensor_data import TensorRows, tensor_rows
+from paratrain.data.loaders import DeviceLoader, shard_loader
+from paratrain.data.paths import _device_unfit, setup_data_path
+from paratrain.data.tensor_data import TensorRows, tensor_rows
+from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -19,11 +19,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.commands.run import split_own_options
-from paratrain.errors import UserError
-from paratrain.loop import evaluate
+from paratrain.checkpoints.weights import unwrap_model
+from paratrain.cli.commands.run import split_own_options
 from paratrain.strategies import build_strategy, resolve_auto
-from paratrain.weights import unwrap_model
+from paratrain.training.loop import evaluate
+from paratrain.utils.errors import UserError
 
 # -- checks made before any process starts -------------------------------------------------
 

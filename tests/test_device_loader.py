@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler, TensorDataset
 
-from paratrain.errors import UserError
-from paratrain.loaders import DeviceLoader, ShardedBatchSampler, shard_loader
+from paratrain.data.loaders import DeviceLoader, ShardedBatchSampler, shard_loader
+from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
 

@@ -14,9 +14,9 @@ from types import ModuleType
 
 import pytest
 
-from paratrain.cli import build_parser, main
-from paratrain.doctor import styles
-from paratrain.doctor.findings import Style
+from paratrain.cli.main import build_parser, main
+from paratrain.tools.doctor import styles
+from paratrain.tools.doctor.findings import Style
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.cli import main
-from paratrain.doctor import RULES, diagnose, diagnose_source
+from paratrain.cli.main import main
+from paratrain.tools.doctor import RULES, diagnose, diagnose_source
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
 EXPECT = re.compile(r"#\s*expect:\s*([^#]+)")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.cli import main
-from paratrain.doctor import RULES, diagnose, diagnose_source
-from paratrain.doctor.explain import explained
+from paratrain.cli.main import main
+from paratrain.tools.doctor import RULES, diagnose, diagnose_source
+from paratrain.tools.doctor.explain import explained
 
 REAL = Path(__file__).parent / "doctor_scripts" / "real"
 PORTING = Path(__file__).resolve().parents[1] / "docs" / "porting.md"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.cli import main
+from paratrain.cli.main import main
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR, load_cifar10, write_fake_cifar_batches
 from paratrain.data.download import (
     CIFAR_MD5,
@@ -24,7 +24,7 @@ from paratrain.data.download import (
     download_cifar10,
     source,
 )
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 
 def _tar(build: Callable[[tarfile.TarFile], None]) -> bytes:

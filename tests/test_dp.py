@@ -12,12 +12,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import paratrain
-from paratrain import cli
-from paratrain.config import TrainConfig
-from paratrain.errors import UserError
-from paratrain.recipes import get_recipe
+from paratrain.cli import main as cli
 from paratrain.strategies import build_strategy
 from paratrain.strategies import dp as dp_module
+from paratrain.training.config import TrainConfig
+from paratrain.training.recipes import get_recipe
+from paratrain.utils.errors import UserError
 
 
 def _error(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> str:

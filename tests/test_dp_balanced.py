@@ -15,9 +15,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain import cli
-from paratrain.errors import UserError
+from paratrain.cli import main as cli
 from paratrain.strategies.dp_balanced import PerDeviceOutputs
+from paratrain.utils.errors import UserError
 
 
 def _train_digits(out: Path, *strategy: str) -> dict[str, torch.Tensor]:

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.data_paths import setup_data_path
-from paratrain.loop import evaluate
+from paratrain.data.paths import setup_data_path
+from paratrain.training.loop import evaluate
 
 CPU = torch.device("cpu")
 #: (samples, evaluation batch): each leaves a last batch of 1 or 2 samples

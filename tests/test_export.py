@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.cli import main
+from paratrain.cli.main import main
 from paratrain.data.digits import load_digits_split
-from paratrain.errors import UserError
-from paratrain.export.artifact import FORMAT
+from paratrain.tools.export.artifact import FORMAT
+from paratrain.utils.errors import UserError
 
 pytest.importorskip("torchao")
 CUDA = torch.cuda.is_available()

@@ -18,9 +18,10 @@ import pytest
 from conftest import subprocess_env
 from processes import alive, descendants, exposed, listening
 
-from paratrain import heartbeat, run_lock
-from paratrain.cli import main
-from paratrain.errors import UserError
+from paratrain.cli.main import main
+from paratrain.launching import heartbeat
+from paratrain.training import run_lock
+from paratrain.utils.errors import UserError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

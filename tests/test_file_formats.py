@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import paratrain
-from paratrain.checkpoint.readers import is_safetensors, sniff
-from paratrain.cli import main
-from paratrain.errors import UserError
+from paratrain.checkpoints.files.readers import is_safetensors, sniff
+from paratrain.cli.main import main
+from paratrain.utils.errors import UserError
 
 METADATA = {"format": "pt", "note": "first byte test"}
 

@@ -16,10 +16,10 @@ from conftest import subprocess_env
 from safetensors.torch import save_file
 from test_download import good_archive
 
-from paratrain.atomic import atomic_write_text, current_umask
-from paratrain.cli import main
+from paratrain.cli.main import main
 from paratrain.data.cifar import CIFAR_FILES
 from paratrain.data.download import MD5_ENV, URL_ENV, download_cifar10
+from paratrain.utils.atomic import atomic_write_text, current_umask
 
 
 def test_current_umask_reads_without_changing_it() -> None:

@@ -16,15 +16,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain import recipes
-from paratrain.bench.combos import enumerate_combos
-from paratrain.bench.recommend import Candidate, recommend
-from paratrain.cli import main
-from paratrain.config import TrainConfig
-from paratrain.dtensors import local_bytes
-from paratrain.errors import UserError
+from paratrain.cli.main import main
+from paratrain.distributed.dtensors import local_bytes
 from paratrain.models import GPT, DigitsCNN, TransformerBlock, resnet18
 from paratrain.strategies.blocks import choose_blocks
+from paratrain.tools.bench.combos import enumerate_combos
+from paratrain.tools.bench.recommend import Candidate, recommend
+from paratrain.training import recipes
+from paratrain.training.config import TrainConfig
+from paratrain.utils.errors import UserError
 
 WIDTH, DEPTH = 64, 4
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import paratrain
-from paratrain.cli import main
-from paratrain.errors import UserError
+from paratrain.cli.main import main
+from paratrain.utils.errors import UserError
 
 LINEAR = ("--strategy", "cpu", "--recipe", "linear", "--batch-size", "100")
 

@@ -16,8 +16,8 @@ import pytest
 from conftest import CLI, subprocess_env
 
 import paratrain
-from paratrain.cli import main
-from paratrain.errors import LaunchError, UserError
+from paratrain.cli.main import main
+from paratrain.utils.errors import LaunchError, UserError
 
 
 def running(pid: int) -> bool:

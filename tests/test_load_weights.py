@@ -16,11 +16,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import paratrain
-from paratrain import rundir
-from paratrain.checkpoint import LoadReport, WeightsMismatchError, read_checkpoint
-from paratrain.errors import UserError
-from paratrain.launch import free_port
-from paratrain.weights import save_weights, unwrap_model
+from paratrain.checkpoints.files import LoadReport, WeightsMismatchError, read_checkpoint
+from paratrain.checkpoints.weights import save_weights, unwrap_model
+from paratrain.launching.launch import free_port
+from paratrain.training import rundir
+from paratrain.utils.errors import UserError
 
 # torch.compile's imports warn about TorchScript; nothing here uses it
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.errors import UserError
-from paratrain.loaders import ShardedBatchSampler
+from paratrain.data.loaders import ShardedBatchSampler
+from paratrain.utils.errors import UserError
 
 
 def _parts(n: int, batch: int, world: int, **kwargs: object) -> list[list[list[int]]]:

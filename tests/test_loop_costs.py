@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain import recipes
-from paratrain.cli import main
-from paratrain.config import TrainConfig
-from paratrain.errors import UserError
-from paratrain.training_state import Checkpointer, Position, ProcessLayout, TrainingParts
-from paratrain.training_state.background import BackgroundWriter, detached_copy
+from paratrain.checkpoints.state import Checkpointer, Position, ProcessLayout, TrainingParts
+from paratrain.checkpoints.state.background import BackgroundWriter, detached_copy
+from paratrain.cli.main import main
+from paratrain.training import recipes
+from paratrain.training.config import TrainConfig
+from paratrain.utils.errors import UserError
 
 
 def test_background_jobs_run_one_at_a_time_in_order() -> None:

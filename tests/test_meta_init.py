@@ -1,4 +1,4 @@
-"""Models built on the meta device (paratrain.meta_init), in this process, ``--strategy cpu``.
+"""Models built on the meta device (paratrain.models.meta_init), in this process, on the CPU.
 
 fsdp and pipeline on ``cpu,cpu`` building only their part, with the weights of a one-process
 build: tests/test_fsdp.py and tests/test_pipeline.py. Peak memory per process:
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.meta_init import MetaInit, is_meta
 from paratrain.models import GPT, resnet18
+from paratrain.models.meta_init import MetaInit, is_meta
 
 
 def _meta_gpt() -> GPT:

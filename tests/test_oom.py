@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain.config import TrainConfig
-from paratrain.loop import train
-from paratrain.oom import TEST_VARIABLE, MicroBatches, OutOfMemoryStop
-from paratrain.recipes import get_recipe
-from paratrain.seeding import seed_everything
+from paratrain.runtime.oom import TEST_VARIABLE, MicroBatches, OutOfMemoryStop
+from paratrain.runtime.seeding import seed_everything
+from paratrain.training.config import TrainConfig
+from paratrain.training.loop import train
+from paratrain.training.recipes import get_recipe
 
 
 def _model() -> nn.Module:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
-from paratrain.precision import Precision
+from paratrain.devices.precision import Precision
+from paratrain.runtime.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
 
 CPU = torch.device("cpu")
 

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain.bench.combos import enumerate_combos
-from paratrain.cli import main
-from paratrain.errors import UserError
+from paratrain.cli.main import main
 from paratrain.models import GPT, DigitsCNN
 from paratrain.strategies.pipeline_plan import plan_stages
+from paratrain.tools.bench.combos import enumerate_combos
+from paratrain.utils.errors import UserError
 
 
 def _keys(stages: list[nn.Module]) -> list[list[str]]:

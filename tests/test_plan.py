@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.cli import main
-from paratrain.commands.plan import parse_size, recipe_builder
+from paratrain.cli.commands.plan import parse_size, recipe_builder
+from paratrain.cli.main import main
 from paratrain.models import GPT
-from paratrain.plan import plan_memory, trace_step
+from paratrain.tools.plan import plan_memory, trace_step
 
 
 def _gpt(width: int) -> Any:

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.collective_order import CHECK_VARIABLE
-from paratrain.errors import LaunchError
+from paratrain.distributed.collective_order import CHECK_VARIABLE
+from paratrain.utils.errors import LaunchError
 
 SAMPLES, BATCH, EPOCHS = 44, 8, 2
 TEST_SAMPLES = 21  # the last evaluation batch (5) splits unevenly

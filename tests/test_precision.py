@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.errors import UserError
-from paratrain.optim import Accumulation, RuntimeOptimizer
-from paratrain.precision import (
+from paratrain.devices.precision import (
     Precision,
     normalize_precision,
     precision_unavailable_reason,
     to_float32,
 )
+from paratrain.runtime.optim import Accumulation, RuntimeOptimizer
+from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
 MAX_NORM = 0.05

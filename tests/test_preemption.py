@@ -17,10 +17,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain import faults, preemption, run_lock
-from paratrain.autoresume import differences, set_aside
-from paratrain.cli import main
-from paratrain.config import TrainConfig
+from paratrain.cli.main import main
+from paratrain.launching import faults, preemption
+from paratrain.training import run_lock
+from paratrain.training.autoresume import differences, set_aside
+from paratrain.training.config import TrainConfig
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +47,7 @@ def test_a_signal_is_a_request_and_a_second_ctrl_c_stops_at_once() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     request = preemption.requested()
     assert request is not None and request.name == "SIGTERM" and request.exit_code == 143
-    assert preemption.agree(paratrain.collective.Collective()) == request  # one process
+    assert preemption.agree(paratrain.distributed.collective.Collective()) == request  # one process
     os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: one more request, kept the first
     assert preemption.requested() == request
     with pytest.raises(KeyboardInterrupt):

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import paratrain
-from paratrain.cli import build_parser
+from paratrain.cli.main import build_parser
 
 EXPECTED = Path(__file__).with_name("public_api.txt")
 

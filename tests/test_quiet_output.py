@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-from paratrain.cli import main
+from paratrain.cli.main import main
 from paratrain.data.download import URL_ENV, download_cifar10
-from paratrain.errors import UserError
-from paratrain.loop import Summary, epochs_text
-from paratrain.threads import choose_threads, started_note
+from paratrain.launching.threads import choose_threads, started_note
+from paratrain.training.loop import Summary, epochs_text
+from paratrain.utils.errors import UserError
 
 
 @pytest.mark.parametrize(

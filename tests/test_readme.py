@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-from paratrain.doctor import diagnose_source
+from paratrain.tools.doctor import diagnose_source
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the README, then the manual's pages in a fixed order

@@ -17,8 +17,8 @@ import torch
 from conftest import subprocess_env
 from safetensors.torch import load_file
 
-from paratrain.cli import main
-from paratrain.launch import free_port
+from paratrain.cli.main import main
+from paratrain.launching.launch import free_port
 
 CPU2 = ["--strategy", "ddp", "--devices", "cpu,cpu"]
 

@@ -17,13 +17,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain import recipes
-from paratrain.checkpoint.readers import read_torch
-from paratrain.cli import main
-from paratrain.config import TrainConfig
-from paratrain.errors import UserError
-from paratrain.training_state import capture_rng, list_checkpoints, manifest, restore_rng
-from paratrain.training_state.store import latest_checkpoint, write_checkpoint
+from paratrain.checkpoints.files.readers import read_torch
+from paratrain.checkpoints.state import capture_rng, list_checkpoints, manifest, restore_rng
+from paratrain.checkpoints.state.store import latest_checkpoint, write_checkpoint
+from paratrain.cli.main import main
+from paratrain.training import recipes
+from paratrain.training.config import TrainConfig
+from paratrain.utils.errors import UserError
 
 RECIPE = "test-dropout"
 CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train there

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.errors import PlacementError, UserError
+from paratrain.utils.errors import PlacementError, UserError
 
 
 def _data(n: int = 64) -> TensorDataset:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from paratrain import slurm
-from paratrain.agent import Nodes
-from paratrain.cli import main
-from paratrain.errors import UserError
+from paratrain.cli.main import main
+from paratrain.launching import slurm
+from paratrain.launching.agent import Nodes
+from paratrain.utils.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_a_task_of_a_job_step_is_read_and_checked(monkeypatch: pytest.MonkeyPatc
 def test_one_task_per_node_or_per_process_and_nothing_else(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from paratrain.commands.launch_options import slurm_nodes
+    from paratrain.cli.commands.launch_options import slurm_nodes
     args = type("Args", (), {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})()
     args.max_restarts, args.requeue = 0, False
     for key, value in _step(SLURM_TASKS_PER_NODE="1(x2)", SLURM_NTASKS="2").items():

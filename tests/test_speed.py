@@ -12,15 +12,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain.cli import main
-from paratrain.compiling import normalize_compile, resolve_mode
-from paratrain.errors import UserError
-from paratrain.fused import apply_fused
-from paratrain.memory_format import wants_channels_last
-from paratrain.optim import Accumulation, RuntimeOptimizer
-from paratrain.precision import Precision
-from paratrain.training_state import list_checkpoints
-from paratrain.weights import plain_state_dict
+from paratrain.checkpoints.state import list_checkpoints
+from paratrain.checkpoints.weights import plain_state_dict
+from paratrain.cli.main import main
+from paratrain.devices.precision import Precision
+from paratrain.runtime.compiling import normalize_compile, resolve_mode
+from paratrain.runtime.fused import apply_fused
+from paratrain.runtime.memory_format import wants_channels_last
+from paratrain.runtime.optim import Accumulation, RuntimeOptimizer
+from paratrain.utils.errors import UserError
 
 
 def _train(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> str:

@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import paratrain
-from paratrain.catalog import RECIPES, STRATEGIES
-from paratrain.commands import COMMAND_MODULES
-from paratrain.recipes import recipe_names
+from paratrain.cli.commands import COMMAND_MODULES
 from paratrain.strategies import describe_strategies
+from paratrain.training.recipes import recipe_names
+from paratrain.utils.catalog import RECIPES, STRATEGIES
 
 #: every parser the command line has, subcommands of subcommands included
 HELPS = [
@@ -37,7 +37,7 @@ SLOW = (
 
 _HELP_CHILD = """
 import contextlib, io, json, sys
-from paratrain.cli import main
+from paratrain.cli.main import main
 failed = []
 for argv in json.loads(sys.argv[1]):
     out = io.StringIO()
@@ -94,8 +94,8 @@ def test_the_catalog_names_what_the_registries_hold() -> None:
 
 
 def test_lazy_public_names_are_the_real_objects() -> None:
-    from paratrain.checkpoint import load_weights
-    from paratrain.runtime import Runtime
+    from paratrain.checkpoints.files import load_weights
+    from paratrain.runtime.facade import Runtime
 
     assert paratrain.Runtime is Runtime
     assert paratrain.load_weights is load_weights

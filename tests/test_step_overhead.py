@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.errors import NonFiniteLossError
-from paratrain.nonfinite import POLICY_VARIABLE
+from paratrain.runtime.nonfinite import POLICY_VARIABLE
+from paratrain.utils.errors import NonFiniteLossError
 
 
 def _step(

@@ -11,7 +11,7 @@ import torch
 from conftest import CLI
 
 import paratrain
-from paratrain.cli import main
+from paratrain.cli.main import main
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import paratrain
-from paratrain import threads
-from paratrain.cli import main
-from paratrain.errors import UserError
-from paratrain.threads import ThreadChoice, choose_for, choose_threads
+from paratrain.cli.main import main
+from paratrain.launching import threads
+from paratrain.launching.threads import ThreadChoice, choose_for, choose_threads
+from paratrain.utils.errors import UserError
 
 
 @pytest.fixture(autouse=True)
@@ -189,7 +189,7 @@ def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(
 
     from conftest import subprocess_env
 
-    from paratrain import wait_policy
+    from paratrain.launching import wait_policy
 
     for argv0, command in (("-m", True), ("/usr/bin/paratrain", True), ("train.py", False)):
         monkeypatch.setattr(sys, "argv", [argv0])

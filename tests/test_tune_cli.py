@@ -10,11 +10,11 @@ from typing import Any
 
 from conftest import subprocess_env
 
-from paratrain import rundir
-from paratrain.config import TrainConfig
-from paratrain.loop import train
-from paratrain.recipes import get_recipe
-from paratrain.runtime import Runtime
+from paratrain.runtime.facade import Runtime
+from paratrain.training import rundir
+from paratrain.training.config import TrainConfig
+from paratrain.training.loop import train
+from paratrain.training.recipes import get_recipe
 
 BAD_INPUT = [
     ["--space", "lr=loguniform(1e-3"],
@@ -43,7 +43,7 @@ def test_bad_input_is_one_line_and_exit_code_2_before_ray_is_even_imported(
 ) -> None:
     code = f"""
 import sys
-from paratrain.cli import main
+from paratrain.cli.main import main
 codes = [main(["tune", *args, "--out", "search"]) for args in {BAD_INPUT!r}]
 print(codes, "ray" in sys.modules)
 """
@@ -66,7 +66,7 @@ def test_without_ray_the_command_says_how_to_get_it(tmp_path: Path) -> None:
     code = """
 import sys
 sys.modules["ray"] = None  # as if Ray were not installed
-from paratrain.cli import main
+from paratrain.cli.main import main
 sys.exit(main(["tune", "--space", "lr=choice(0.1)", "--out", "search"]))
 """
     result = _run_python(code, tmp_path)
@@ -80,7 +80,7 @@ def test_optuna_missing_is_named_before_ray_starts(tmp_path: Path) -> None:
     code = """
 import sys
 sys.modules["optuna"] = None
-from paratrain.cli import main
+from paratrain.cli.main import main
 sys.exit(main(["tune", "--space", "lr=loguniform(0.01,0.1)", "--search", "optuna"]))
 """
     result = _run_python(code, tmp_path)
@@ -93,7 +93,7 @@ def test_an_existing_search_is_not_replaced_without_overwrite(tmp_path: Path) ->
     (tmp_path / "search" / "tune.json").write_text("{}", encoding="utf-8")
     code = """
 import sys
-from paratrain.cli import main
+from paratrain.cli.main import main
 sys.exit(main(["tune", "--space", "lr=choice(0.1)", "--out", "search"]))
 """
     result = _run_python(code, tmp_path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config import TrainConfig
-from paratrain.errors import UserError
-from paratrain.tune.settings import TUNABLE, Resources, TuneSettings, checked
-from paratrain.tune.space import parse_dimension, parse_space
+from paratrain.tools.tune.settings import TUNABLE, Resources, TuneSettings, checked
+from paratrain.tools.tune.space import parse_dimension, parse_space
+from paratrain.training.config import TrainConfig
+from paratrain.utils.errors import UserError
 
 
 def test_every_distribution_parses_without_eval() -> None:

@@ -1,4 +1,4 @@
-"""``rt.join(model)``'s context (paratrain.uneven) in this process: a real gloo group of one
+"""``rt.join(model)``'s context (paratrain.runtime.uneven) in this process: a real gloo group of one
 process (`--strategy ddp` on `cpu`), so that its DDP model is a real one. The launched runs
 with uneven ranks are in test_resilience.py."""
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.nonfinite import NonFiniteCheck
-from paratrain.uneven import join_uneven
+from paratrain.runtime.nonfinite import NonFiniteCheck
+from paratrain.runtime.uneven import join_uneven
 
 
 def _ddp_of_one() -> DistributedDataParallel:

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain import threads
-from paratrain.cli import main
-from paratrain.flops import peak_of, table_peak, training_flops
+from paratrain.cli.main import main
+from paratrain.launching import threads
 from paratrain.models import DigitsCNN
+from paratrain.utils.flops import peak_of, table_peak, training_flops
 
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
 

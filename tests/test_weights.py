@@ -1,6 +1,6 @@
-"""Plain weights (paratrain.weights) in this process: wrappers unwrapped, prefixes stripped,
-tied tensors saved apart, and a sharded model's weights written by the main process
-(`--strategy cpu`; DDP and a sharded model on a real gloo group of one process)."""
+"""Plain weights (paratrain.checkpoints.weights) in this process: wrappers unwrapped,
+prefixes stripped, tied tensors saved apart, and a sharded model's weights written by the
+main process (`--strategy cpu`; DDP and a sharded model on a real gloo group of one process)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.weights import (
+from paratrain.checkpoints.weights import (
     plain_state_dict,
     plain_tensors,
     save_weights,

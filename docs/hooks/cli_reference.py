@@ -1,7 +1,7 @@
 """MkDocs hook: the command-line reference, rendered from the argparse definitions.
 
 A page that holds the line ``<!-- cli-reference -->`` gets, in its place, one section per
-command and subcommand of ``paratrain.cli.build_parser()``: its description, its usage and a
+command and subcommand of ``paratrain.cli.main.build_parser()``: its description, its usage and a
 table of its options. Nothing is copied by hand, so the reference cannot drift from the code.
 """
 
@@ -23,7 +23,7 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
 
 def render() -> str:
     """Every command's section, in the order of ``paratrain --help``."""
-    from paratrain.cli import build_parser
+    from paratrain.cli.main import build_parser
 
     return "\n".join(
         _section(name, parser, summary)

@@ -9,26 +9,26 @@ import types
 from typing import TYPE_CHECKING, Any
 
 # first, for its side effect: the command's OpenMP threads sleep while they wait
-from paratrain import wait_policy  # noqa: F401
-from paratrain.errors import PlacementError, UserError
+from paratrain.launching import wait_policy  # noqa: F401
+from paratrain.utils.errors import PlacementError, UserError
 from paratrain.version import __version__
 
 if TYPE_CHECKING:
-    from paratrain.checkpoint import LoadReport, WeightsMismatchError, load_weights
-    from paratrain.export import load_quantized
-    from paratrain.runtime import Runtime, RuntimeConfig
-    from paratrain.tensorboard_logger import TensorBoardLogger
+    from paratrain.checkpoints.files import LoadReport, WeightsMismatchError, load_weights
+    from paratrain.runtime.facade import Runtime, RuntimeConfig
+    from paratrain.tools.export import load_quantized
+    from paratrain.training.tensorboard_logger import TensorBoardLogger
 
 #: the public names that need torch, and where each lives: imported on first use, so that
 #: `import paratrain` and `paratrain --help` start without loading torch
 _LAZY = {
-    "LoadReport": "paratrain.checkpoint",
-    "WeightsMismatchError": "paratrain.checkpoint",
-    "load_weights": "paratrain.checkpoint",
-    "load_quantized": "paratrain.export",
-    "Runtime": "paratrain.runtime",
-    "RuntimeConfig": "paratrain.runtime",
-    "TensorBoardLogger": "paratrain.tensorboard_logger",
+    "LoadReport": "paratrain.checkpoints.files",
+    "WeightsMismatchError": "paratrain.checkpoints.files",
+    "load_weights": "paratrain.checkpoints.files",
+    "load_quantized": "paratrain.tools.export",
+    "Runtime": "paratrain.runtime.facade",
+    "RuntimeConfig": "paratrain.runtime.facade",
+    "TensorBoardLogger": "paratrain.training.tensorboard_logger",
 }
 
 

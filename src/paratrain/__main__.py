@@ -1,3 +1,3 @@
-from paratrain.cli import main
+from paratrain.cli.main import main
 
 raise SystemExit(main())

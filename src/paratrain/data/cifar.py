@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 from paratrain.data.cifar_cache import cached_arrays
 from paratrain.data.images import NormalizedImages
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 CIFAR_FILES = (
     "data_batch_1",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from paratrain.atomic import atomic_write
+from paratrain.utils.atomic import atomic_write
 
 CACHE_VARIABLE = "PARATRAIN_CACHE_DIR"
 #: the arrays a cache entry holds, and their dtypes

@@ -20,9 +20,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
-from paratrain.atomic import current_umask
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR
-from paratrain.errors import UserError
+from paratrain.utils.atomic import current_umask
+from paratrain.utils.errors import UserError
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"

@@ -29,7 +29,7 @@ def normalization_table(mean: Sequence[float], std: Sequence[float]) -> torch.Te
 class NormalizedImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """uint8 images ``(N, C, H, W)`` and their labels; samples come out normalised float32.
 
-    Follows :class:`paratrain.tensor_data.BatchRows`: ``tensors`` holds the bytes and the
+    Follows :class:`paratrain.data.tensor_data.BatchRows`: ``tensors`` holds the bytes and the
     labels, and ``transform_batch`` normalises a whole batch wherever it is.
     """
 

@@ -63,7 +63,7 @@ class GPT(nn.Module):
 
     def init_module(self, module: nn.Module) -> None:
         """Initialise ``module``'s own parameters that its ``reset_parameters`` does not
-        (the positions); paratrain.meta_init calls it per module of a model built on meta."""
+        (the positions); paratrain.models.meta_init calls it per module of a model built on meta."""
         if module is self:
             nn.init.normal_(self.position, std=0.02)
 

@@ -80,7 +80,7 @@ class ResNet(nn.Module):
 
     def init_module(self, m: nn.Module) -> None:
         """Same initialisation as torchvision, so training curves are comparable; one
-        module's own parameters (paratrain.meta_init calls it per module of a model built
+        module's own parameters (paratrain.models.meta_init calls it per module of a model built
         on meta, after the module's ``reset_parameters``)."""
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.devices import cuda_count, mps_available, parse_count, parse_device_list
-from paratrain.errors import UserError
+from paratrain.devices.machine import cuda_count, mps_available, parse_count, parse_device_list
 from paratrain.strategies import (  # noqa: F401  (registration)
     cpu,
     cuda,
@@ -25,6 +24,7 @@ from paratrain.strategies.registry import (
     strategy_class,
     strategy_names,
 )
+from paratrain.utils.errors import UserError
 
 __all__ = [
     "AUTO",

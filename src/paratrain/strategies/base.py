@@ -2,7 +2,7 @@
 
 A strategy says how one process trains: which device is its own, how the model and the loss
 are wrapped, and how processes talk to each other (its :class:`Collective`). How processes
-are *started* lives in :mod:`paratrain.launch`, not here.
+are *started* lives in :mod:`paratrain.launching.launch`, not here.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from paratrain.collective import Collective, ReduceOp
-from paratrain.meta_init import MetaInit
+from paratrain.distributed.collective import Collective, ReduceOp
+from paratrain.models.meta_init import MetaInit
 
 __all__ = ["Collective", "ReduceOp", "Strategy", "StrategyOptions", "iter_tensors"]
 

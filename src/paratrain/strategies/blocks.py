@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 
 def has_parameters(module: nn.Module) -> bool:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from paratrain.catalog import STRATEGIES
 from paratrain.strategies.registry import register
 from paratrain.strategies.single import SingleDeviceStrategy
+from paratrain.utils.catalog import STRATEGIES
 
 
 @register

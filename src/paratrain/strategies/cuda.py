@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.catalog import STRATEGIES
-from paratrain.devices import check_cuda_devices, cuda_count
+from paratrain.devices.machine import check_cuda_devices, cuda_count
 from paratrain.strategies.registry import register
 from paratrain.strategies.single import SingleDeviceStrategy
+from paratrain.utils.catalog import STRATEGIES
 
 
 @register

@@ -24,10 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain import collective_order
-from paratrain.catalog import STRATEGIES
-from paratrain.devices import check_cuda_devices, cuda_count, parse_count, parse_device_list
-from paratrain.errors import LaunchError, UserError
+from paratrain.devices.machine import check_cuda_devices, cuda_count, parse_count, parse_device_list
+from paratrain.distributed import collective_order
 from paratrain.strategies.base import Strategy, StrategyOptions
 from paratrain.strategies.distributed import (
     COLLECTIVE_TIMEOUT_VARIABLE,
@@ -44,6 +42,8 @@ from paratrain.strategies.distributed import (
 )
 from paratrain.strategies.registry import register
 from paratrain.strategies.sync_batchnorm import make_cpu_compatible
+from paratrain.utils.catalog import STRATEGIES
+from paratrain.utils.errors import LaunchError, UserError
 
 
 @register

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain import loopback
-from paratrain.collective import Collective, ReduceOp
-from paratrain.collective_order import LEDGER
-from paratrain.errors import UserError
+from paratrain.distributed import loopback
+from paratrain.distributed.collective import Collective, ReduceOp
+from paratrain.distributed.collective_order import LEDGER
+from paratrain.utils.errors import UserError
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 INIT_TIMEOUT_VARIABLE = "PARATRAIN_INIT_TIMEOUT"

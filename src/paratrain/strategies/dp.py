@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.catalog import STRATEGIES
-from paratrain.devices import cuda_count, parse_count, parse_device_list
-from paratrain.errors import UserError
+from paratrain.devices.machine import cuda_count, parse_count, parse_device_list
 from paratrain.strategies.base import Strategy, StrategyOptions
 from paratrain.strategies.parallel_apply import GatherMeter, parallel_apply
 from paratrain.strategies.registry import register
+from paratrain.utils.catalog import STRATEGIES
+from paratrain.utils.errors import UserError
 
 CPU_HINT = (
     "to try this code path on the CPU use --strategy dp-balanced --devices cpu,cpu, "

@@ -34,9 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.catalog import STRATEGIES
-from paratrain.errors import UserError
-from paratrain.precision import to_float32
+from paratrain.devices.precision import to_float32
 from paratrain.strategies.base import Strategy, StrategyOptions
 from paratrain.strategies.dp import resolve_parallel_devices
 from paratrain.strategies.parallel_apply import (
@@ -50,6 +48,8 @@ from paratrain.strategies.parallel_apply import (
     split_sizes,
 )
 from paratrain.strategies.registry import register
+from paratrain.utils.catalog import STRATEGIES
+from paratrain.utils.errors import UserError
 
 
 class PerDeviceOutputs:

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from paratrain.catalog import STRATEGIES
-from paratrain.dtensors import shard_like
-from paratrain.errors import UserError
-from paratrain.meta_init import MetaInit, is_meta, release
+from paratrain.distributed.dtensors import shard_like
+from paratrain.models.meta_init import MetaInit, is_meta, release
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.blocks import choose_blocks, has_parameters
 from paratrain.strategies.ddp import DDPStrategy
 from paratrain.strategies.registry import register
+from paratrain.utils.catalog import STRATEGIES
+from paratrain.utils.errors import UserError
 
 if TYPE_CHECKING:  # torch.distributed.fsdp loads torch.distributed.tensor: imported when used
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy

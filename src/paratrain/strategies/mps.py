@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from paratrain.catalog import STRATEGIES
-from paratrain.devices import mps_available
+from paratrain.devices.machine import mps_available
 from paratrain.strategies.registry import register
 from paratrain.strategies.single import SingleDeviceStrategy
+from paratrain.utils.catalog import STRATEGIES
 
 
 @register

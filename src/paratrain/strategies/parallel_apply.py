@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.errors import UserError
 from paratrain.strategies.base import iter_tensors
+from paratrain.utils.errors import UserError
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 

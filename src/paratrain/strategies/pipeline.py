@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.catalog import STRATEGIES
-from paratrain.errors import UserError
-from paratrain.meta_init import is_meta
+from paratrain.models.meta_init import is_meta
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
 from paratrain.strategies.pipeline_plan import plan_stages
 from paratrain.strategies.pipelined_model import SCHEDULES, LossFn, PipelinedModel
 from paratrain.strategies.registry import register
+from paratrain.utils.catalog import STRATEGIES
+from paratrain.utils.errors import UserError
 
 _DTYPES = {"bf16": torch.bfloat16}
 

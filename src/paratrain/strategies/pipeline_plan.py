@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 
-from paratrain.errors import UserError
 from paratrain.strategies.blocks import default_blocks, has_parameters
+from paratrain.utils.errors import UserError
 
 
 def plan_stages(

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.errors import UserError
+from paratrain.utils.errors import UserError
 
 SCHEDULES = ("1f1b", "gpipe")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from paratrain.errors import UserError
 from paratrain.strategies.base import Strategy
+from paratrain.utils.errors import UserError
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 S = TypeVar("S", bound=type[Strategy])

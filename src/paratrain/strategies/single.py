@@ -7,9 +7,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from paratrain.devices import parse_count, parse_device_list
-from paratrain.errors import UserError
+from paratrain.devices.machine import parse_count, parse_device_list
 from paratrain.strategies.base import Strategy
+from paratrain.utils.errors import UserError
 
 
 class SingleDeviceStrategy(Strategy):

@@ -1,0 +1,1 @@
+"""Checkpoint files of any layout, the training state, full weights."""

@@ -1,0 +1,167 @@
+"""Checkpoint directories of a run: written crash-safely, listed, pruned.
+
+    RUN/checkpoints/step-000123/   model.safetensors, optimizer.pt, ..., state.json
+
+A checkpoint is assembled under a hidden temporary name (``.step-000123.tmp``), every file
+flushed to disk, then renamed into place in one step and the parent directory flushed. A
+directory named ``step-N`` is therefore complete; a crash leaves at most a hidden leftover,
+which listing ignores and the next save removes. Old checkpoints are removed only after the
+new one is in place, and renamed to a hidden name first so that a crash during removal never
+leaves a half-deleted ``step-N``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from paratrain.checkpoints.state import manifest
+from paratrain.utils.atomic import FULL, atomic_write, check_space, fsync_dir
+from paratrain.utils.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+STATE = "state.json"
+WEIGHTS = "model.safetensors"
+#: test hook: seconds to sleep after a checkpoint is written under its temporary name and
+#: before it is renamed into place, so a test can kill the process at that moment
+STALL_VARIABLE = "PARATRAIN_TEST_STALL_SAVE"
+
+_COMPLETE = re.compile(r"step-(\d+)")
+_LEFTOVER = re.compile(r"\.step-\d+\.(tmp|old)")
+
+FileWriter = Callable[[Path], None]
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a complete checkpoint directory's name, None for any other name."""
+    match = _COMPLETE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    for child in root.iterdir():
+        step = checkpoint_step(child)
+        complete = (child / STATE).is_file() or (child / manifest.MANIFEST).is_file()
+        if step is not None and complete:
+            found.append((step, child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def write_checkpoint(
+    run_dir: Path, step: int, files: Mapping[str, FileWriter], keep: int, size: int | None = None
+) -> Path:
+    """Write ``files`` (name -> writer of that file) as the checkpoint of ``step``, then keep
+    only the newest ``keep`` checkpoints. Files are written in the mapping's order, then the
+    manifest (:mod:`.manifest`). ``size``: about how many bytes they take, checked against
+    the free space first. A full disk or another OS error is a ``UserError`` in one line,
+    and leaves no part of this checkpoint behind."""
+    root = run_dir / CHECKPOINTS
+    final = root / checkpoint_name(step)
+    tmp = root / f".{final.name}.tmp"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(root)
+        if size is not None:
+            check_space(final, size)
+        tmp.mkdir()
+        for name, write in files.items():
+            atomic_write(tmp / name, write)
+        built = manifest.build(tmp, step, files)
+        atomic_write(tmp / manifest.MANIFEST, lambda path: _write_json(path, built))
+        fsync_dir(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(_os_error(exc, final)) from None
+    _stall_for_tests()
+    if final.exists() or final.is_symlink():  # the same step saved again (a resumed run)
+        old = root / f".{final.name}.old"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(root)
+        _delete(old)
+    else:
+        os.rename(tmp, final)
+        fsync_dir(root)
+    prune(run_dir, keep)
+    return final
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints."""
+    root = run_dir / CHECKPOINTS
+    checkpoints = list_checkpoints(run_dir)
+    for path in checkpoints[: max(0, len(checkpoints) - keep)]:
+        _remove(path, root / f".{path.name}.old")
+    fsync_dir(root)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Delete the hidden directories an interrupted save or prune left behind."""
+    if root.is_dir():
+        for child in root.iterdir():
+            if _LEFTOVER.fullmatch(child.name):
+                _delete(child)
+
+
+def _delete(path: Path) -> None:
+    """Remove a directory tree, or a file (something put where a checkpoint was)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _os_error(exc: OSError, checkpoint: Path) -> str:
+    if exc.errno in FULL:
+        text = exc.strerror or str(exc)
+        if "no space left" in text:
+            return text
+        return f"no space left on device while writing {checkpoint}: {text}"
+    return f"cannot write {checkpoint}: {exc.strerror or exc}"
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def remove_checkpoints(run_dir: Path) -> None:
+    """Delete every checkpoint of a run (complete or not), and the folder if then empty."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return
+    remove_leftovers(root)
+    for path in list(root.iterdir()):
+        if checkpoint_step(path) is not None and path.is_dir():
+            _remove(path, root / f".{path.name}.old")
+    if not any(root.iterdir()):
+        root.rmdir()
+
+
+def _remove(path: Path, hidden: Path) -> None:
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)
+
+
+def _stall_for_tests() -> None:
+    seconds = os.environ.get(STALL_VARIABLE)
+    if seconds:
+        time.sleep(float(seconds))

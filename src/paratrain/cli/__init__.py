@@ -1,0 +1,1 @@
+"""The command line: the parser, one module per subcommand, each process's entry."""

@@ -1,0 +1,301 @@
+"""Data loaders that give every layout the same global batches.
+
+Every strategy cuts the data the same way: one permutation per epoch, cut into global
+batches of the loader's ``batch_size``, each split into as many near-equal parts as there are
+processes. Process ``r`` takes part ``r``. One process and four processes therefore see the
+same global batches, which is what lets every layout compute the same model. The epoch is
+advanced on every ``iter()``, so ``set_epoch`` cannot be forgotten.
+
+Where the permutation comes from:
+
+- ``seed=None`` (``Runtime()``'s default): from the random generators exactly as torch's
+  ``DataLoader`` draws it. Each ``iter()`` draws the workers' base seed from the loader's
+  generator (the global one unless the loader was given its own), and a shuffled epoch is the
+  permutation ``RandomSampler`` would draw. A ported script therefore consumes its random
+  stream as it did, and its dropout masks stay where they were. With several processes, rank
+  0's permutation seed is broadcast (``agree``), so even an unseeded script's processes agree.
+- an int ``seed`` (``Runtime(seed=N)``, ``paratrain train --seed``): epoch ``e`` is the
+  permutation of a private generator seeded with ``seed + e``; nothing is drawn from the
+  global generator, so a run resumed mid-epoch continues the same order and random stream.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from paratrain.data.placement import move_to_device
+from paratrain.launching.heartbeat import beat
+from paratrain.utils.errors import UserError
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Global batches in a seeded order; yields this process's part of each.
+
+    ``evaluation=True`` never pads nor drops: every sample is seen exactly once across
+    processes (a process whose part of the last batch is empty skips it). For training, a
+    last global batch smaller than the number of processes is dropped, since some process
+    would get no sample to compute a loss on.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int | None,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+        evaluation: bool = False,
+        generator: torch.Generator | None = None,
+        agree: Callable[[int], int] | None = None,
+    ) -> None:
+        """``seed=None``: draw each epoch's order as ``RandomSampler(generator=generator)``
+        does; ``agree`` then makes every process use rank 0's draw (a broadcast)."""
+        if batch_size < world_size and not evaluation:
+            raise UserError(
+                f"batch size {batch_size} is smaller than the number of processes "
+                f"({world_size}); use a batch size of at least {world_size}"
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.evaluation = evaluation
+        self.generator = generator
+        self.agree = agree
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Choose the epoch's order; ``start_batch`` skips batches already trained on."""
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def order(self) -> torch.Tensor:
+        """The epoch's order of sample indices (a permutation, or 0..n-1). Unseeded, each
+        call draws from the random generators: call it once per epoch."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        if self.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(self.num_samples, generator=generator)
+        if self.generator is not None:  # RandomSampler draws from the loader's own generator
+            return torch.randperm(self.num_samples, generator=self.generator)
+        # RandomSampler's draw: a seed from the global generator, then a private permutation
+        drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+        if self.agree is not None:
+            drawn = self.agree(drawn)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(drawn))
+
+    def end_epoch(self) -> None:
+        """After a whole epoch: RandomSampler then draws a last, empty permutation from a
+        generator the loader was given; draw it too, so that generator stays in step."""
+        if self.shuffle and self.seed is None and self.generator is not None:
+            torch.randperm(self.num_samples, generator=self.generator)
+
+    def global_batch_sizes(self) -> list[int]:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        sizes = [self.batch_size] * full
+        if rest and not self.drop_last and (self.evaluation or rest >= self.world_size):
+            sizes.append(rest)
+        return sizes
+
+    def local_size(self, global_size: int) -> int:
+        """How many samples of a global batch this process gets (tensor_split sizes)."""
+        start, end = self.local_span(global_size)
+        return end - start
+
+    def local_span(self, global_size: int) -> tuple[int, int]:
+        """Where this process's part starts and ends inside a global batch."""
+        base, extra = divmod(global_size, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (1 if self.rank < extra else 0)
+
+    def spans(self) -> Iterator[tuple[int, int]]:
+        """Where this process's part of each remaining batch lies in :meth:`order`."""
+        position = 0
+        for index, size in enumerate(self.global_batch_sizes()):
+            if index >= self.start_batch:
+                start, end = self.local_span(size)
+                if end > start:
+                    yield position + start, position + end
+            position += size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order: list[int] = self.order().tolist()  # plain lists: slicing costs no tensor ops
+        for start, end in self.spans():
+            yield order[start:end]
+        self.end_epoch()
+
+    def __len__(self) -> int:
+        sizes = self.global_batch_sizes()[self.start_batch :]
+        return sum(1 for size in sizes if self.local_size(size) > 0)
+
+
+class DeviceLoader:
+    """Wraps a DataLoader: same global batches on every layout, delivered on the device."""
+
+    #: how batches are made: "loader" (the DataLoader's samples and collate); subclasses
+    #: that cut whole batches out of tensors say "batched" or "device"
+    data_path = "loader"
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        device: torch.device,
+        batch_sampler: ShardedBatchSampler | None,
+        loss_weight_sink: Any = None,
+    ) -> None:
+        self.loader = loader
+        self.device = device
+        self.batch_sampler = batch_sampler
+        self._sink = loss_weight_sink
+        self._next_epoch = 0
+        self._epoch_set_by_user = False
+        #: called when an iteration starts under ``torch.no_grad()`` (an evaluation loop)
+        self.on_no_grad: Callable[[DeviceLoader], None] | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        """Whether it was set up to show every sample exactly once across processes."""
+        return self.batch_sampler is None or self.batch_sampler.evaluation
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def epoch(self) -> int:
+        return self.batch_sampler.epoch if self.batch_sampler else self._next_epoch - 1
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Pin the next iteration to ``epoch`` (resume); otherwise epochs advance by one."""
+        self._next_epoch = epoch
+        if self.batch_sampler is not None:
+            self.batch_sampler.set_epoch(epoch, start_batch)
+            self._epoch_set_by_user = True
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _loss_weights(self) -> list[float] | None:
+        """Per-batch weights that make the mean of the processes' losses the global mean."""
+        sampler = self.batch_sampler
+        if sampler is None or sampler.world_size == 1 or self._sink is None:
+            return None
+        sizes = sampler.global_batch_sizes()[sampler.start_batch :]
+        return [sampler.local_size(s) * sampler.world_size / s for s in sizes]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.batch_sampler is not None:
+            if not self._epoch_set_by_user:
+                self.batch_sampler.set_epoch(self._next_epoch)
+            self._next_epoch = self.batch_sampler.epoch + 1
+        else:
+            self._next_epoch += 1
+        self._epoch_set_by_user = False
+        if self.on_no_grad is not None and not torch.is_grad_enabled():
+            self.on_no_grad(self)
+        sink = self._sink
+        if sink is None:
+            for batch in self._batches():
+                beat()  # progress, for the hang watchdog (evaluation has no backward)
+                yield move_to_device(batch, self.device)
+            return
+        weights = self._loss_weights()
+        last = len(self.loader) - 1
+        for index, batch in enumerate(self._batches()):
+            if weights is not None:
+                sink.loss_weight = weights[index]
+            sink.at_last_batch = index == last
+            beat()
+            yield move_to_device(batch, self.device)
+        sink.loss_weight = 1.0
+        sink.at_last_batch = False
+
+    def _batches(self) -> Iterator[Any]:
+        """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the
+        device: one pass over each batch's tensors, not two)."""
+        yield from self.loader
+
+
+def shard_loader(
+    loader: DataLoader[Any],
+    *,
+    rank: int,
+    world_size: int,
+    seed: int | None,
+    evaluation: bool,
+    pin_memory: bool,
+    batch_size: int | None = None,
+    agree: Callable[[int], int] | None = None,
+) -> tuple[DataLoader[Any], ShardedBatchSampler | None]:
+    """Rebuild ``loader`` around a :class:`ShardedBatchSampler` (same settings otherwise).
+
+    ``batch_size``: the global batch, when it is not the loader's own (paratrain.runtime.batching);
+    ``seed`` and ``agree``: where a shuffled epoch's order comes from (see the module).
+    """
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        if world_size > 1:
+            raise UserError(
+                "several processes need a map-style dataset and a loader with batch_size; "
+                "an IterableDataset or a custom batch_sampler cannot be split across processes"
+            )
+        return loader, None
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        if world_size > 1:
+            raise UserError(
+                f"the loader's sampler {type(loader.sampler).__name__} cannot be split across "
+                "processes; build the DataLoader with shuffle=True or shuffle=False instead"
+            )
+        return loader, None
+    if not isinstance(loader.dataset, Sized):
+        return loader, None
+    random = loader.sampler if isinstance(loader.sampler, RandomSampler) else None
+    shuffle = random is not None
+    if random is not None and random.replacement:
+        warnings.warn("sampling with replacement is replaced by a shuffle", stacklevel=3)
+    sampler = ShardedBatchSampler(
+        len(loader.dataset),
+        batch_size or loader.batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        drop_last=loader.drop_last,
+        evaluation=evaluation,
+        generator=None if random is None else random.generator,
+        agree=agree,
+    )
+    if seed is None:
+        # torch's own draws: the base seed from the loader's generator, or the global one
+        generator = loader.generator
+    else:
+        # A private generator: starting an epoch then draws nothing from the global one,
+        # so a run resumed mid-epoch continues the same random stream.
+        generator = loader.generator or torch.Generator().manual_seed(seed)
+    rebuilt = DataLoader(
+        loader.dataset,
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=pin_memory or loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+    )
+    return rebuilt, sampler

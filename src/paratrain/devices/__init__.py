@@ -1,0 +1,1 @@
+"""What the machine offers, --devices specs, precision policies."""

@@ -1,0 +1,1 @@
+"""The processes of a run: collectives, their order, DTensors, loopback."""

@@ -1,0 +1,1 @@
+"""Starting processes: torchrun's agent, watchdogs, signals, threads."""

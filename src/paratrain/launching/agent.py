@@ -1,0 +1,290 @@
+"""Processes started by torchrun's elastic agent (``torch.distributed.run``), on one machine
+or several: ``paratrain run SCRIPT`` and ``paratrain train --nnodes/--max-restarts``.
+
+Every process runs ``python -m paratrain.cli.entry ...`` (see :mod:`paratrain.cli.entry`), which
+starts the heartbeat and reports a one-line error to this launcher instead of printing it
+once per rank. This launcher (one per machine):
+
+* checks the options of several machines before starting anything;
+* keeps the rendezvous, and every store and socket of the run, on 127.0.0.1 unless
+  ``--rdzv-endpoint`` names an address (:mod:`paratrain.distributed.loopback`);
+* watches its processes for hangs in a thread (:mod:`paratrain.launching.watchdog`);
+* turns the agent's failure into one :class:`~paratrain.utils.errors.LaunchError` (or
+  :class:`~paratrain.utils.errors.UserError`) naming the rank and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from paratrain.distributed import loopback
+from paratrain.distributed.collective_order import REPORT_DIR_VARIABLE
+from paratrain.launching.heartbeat import DIRECTORY_VARIABLE
+from paratrain.launching.preemption import Request, Stopped, stop_message
+from paratrain.launching.watchdog import Watchdog, WatchdogThread, hang_timeout
+from paratrain.utils.errors import LaunchError, UserError
+
+#: where the processes leave a one-line error for this launcher (see :mod:`paratrain.cli.entry`)
+REPORT_VARIABLE = REPORT_DIR_VARIABLE
+LOOPBACK = loopback.LOOPBACK
+#: the signals torchrun's agent passes on to its processes
+SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The machines of a run and how their agents meet."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    #: HOST:PORT of the rendezvous; None: 127.0.0.1 and a free port (one machine only)
+    endpoint: str | None = None
+    #: how many times the agent restarts the processes after a failure
+    max_restarts: int = 0
+
+    def check(self) -> Nodes:
+        if self.nnodes < 1:
+            raise UserError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(
+                f"--node-rank {self.node_rank} must be between 0 and {self.nnodes - 1} "
+                f"(--nnodes {self.nnodes})"
+            )
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.nnodes > 1 and self.endpoint is None:
+            raise UserError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the address of node "
+                "0 that every machine can reach (the same on every machine)"
+            )
+        if self.endpoint is not None:
+            host, _, port = self.endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UserError(f"--rdzv-endpoint {self.endpoint} must be HOST:PORT")
+        return self
+
+    @property
+    def uses_agent(self) -> bool:
+        """Whether ``paratrain train`` needs torchrun's agent rather than spawning."""
+        return self.nnodes > 1 or self.max_restarts > 0 or self.endpoint is not None
+
+
+def _on_loopback(nodes: Nodes) -> bool:
+    return nodes.endpoint is None or loopback.is_loopback(nodes.endpoint.rpartition(":")[0])
+
+
+def _torchrun_args(nodes: Nodes, nprocs: int, entry: Sequence[str], run_id: str) -> list[str]:
+    endpoint = nodes.endpoint or f"{LOOPBACK}:0"
+    # Where the workers find the agent's store: loopback, not this machine's name.
+    local = [f"--local-addr={LOOPBACK}"] if _on_loopback(nodes) else []
+    return [
+        *local,
+        f"--nnodes={nodes.nnodes}",
+        f"--node-rank={nodes.node_rank}",
+        f"--nproc-per-node={nprocs}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--max-restarts={nodes.max_restarts}",
+        "--monitor-interval=0.2",
+        "-m",
+        *entry,
+    ]
+
+
+def run_agent(
+    entry: Sequence[str], nprocs: int, env: dict[str, str], nodes: Nodes, what: str
+) -> None:
+    """``python -m *entry`` in ``nprocs`` processes on this machine (one agent of ``nodes``).
+
+    ``env`` is added to the environment the processes inherit; ``what`` names the work in
+    errors (the script, or ``paratrain train``).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torch_run
+
+    nodes.check()
+    timeout = hang_timeout()
+    # A run id that every agent of a run shares: derived from the endpoint, or fresh when
+    # this agent is alone.
+    run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
+    args = get_args_parser().parse_args(_torchrun_args(nodes, nprocs, entry, run_id))
+    with tempfile.TemporaryDirectory(prefix="paratrain-agent-") as tmp, quiet_torch_logs():
+        # A script's own init_process_group binds gloo/nccl to loopback too.
+        os.environ.update(loopback.interface_environment() if _on_loopback(nodes) else {})
+        os.environ.update(env)
+        os.environ[REPORT_VARIABLE] = tmp
+        # The agent passes these on to its processes (a stop at the next step); SIGUSR1 is
+        # the signal `sbatch --signal=USR1@120` sends before the time limit.
+        os.environ.setdefault(SIGNALS_VARIABLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+        watchdog = None
+        if timeout is not None:
+            os.environ[DIRECTORY_VARIABLE] = tmp
+            watchdog = WatchdogThread(Watchdog(Path(tmp), timeout))
+        stores = loopback.agent_stores() if _on_loopback(nodes) else contextlib.nullcontext()
+        with watchdog or contextlib.nullcontext(), stores, _second_interrupt_kills(Path(tmp)):
+            try:
+                torch_run(args)
+            except ChildFailedError as exc:
+                raise _failure(exc, Path(tmp), watchdog, what, nodes.max_restarts) from None
+            except SignalException as exc:  # the agent stopped its processes on a signal
+                _kill_left(Path(tmp))  # a second Ctrl-C cut the agent's wait short
+                raise stopped_on_signal(Path(tmp), exc.sigval) from None
+            finally:
+                for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE):
+                    os.environ.pop(name, None)
+            stopped = stop_report(Path(tmp))  # a process was signalled, the agent was not
+            if stopped is not None:
+                raise stopped
+
+
+def _failure(
+    exc: Exception, tmp: Path, watchdog: WatchdogThread | None, what: str, restarts: int
+) -> Exception:
+    """One error for the agent's failure: a hang, a rank's one-line report, or the cause
+    torchrun found (rank, exit code or signal, traceback)."""
+    if watchdog is not None and watchdog.hang is not None:
+        return LaunchError(watchdog.hang.message())
+    # The last attempt's reports (an elastic run restarts), the first of them.
+    reports = sorted(tmp.glob("report-*.txt"), key=lambda p: (-_attempt(p), p.stat().st_mtime))
+    if reports:
+        kind, _, message = reports[0].read_text(encoding="utf-8").partition("\n")
+        return UserError(message) if kind == "user" else LaunchError(message)
+    format_msg = getattr(exc, "format_msg", None)
+    text = format_msg() if callable(format_msg) else str(exc)
+    after = f" after {restarts} restart(s)" if restarts else ""
+    first = getattr(exc, "get_first_failure", None)
+    rank = int(first()[0]) if callable(first) else None
+    trace = _trace_of(tmp, rank) if rank is not None else None
+    if trace:  # the processes' own tracebacks go to files (see paratrain.cli.entry)
+        text += f"\nrank {rank}'s traceback:\n{trace}"
+    return LaunchError(f"{what} failed{after}; the cause:\n{text.strip()}")
+
+
+def _trace_of(tmp: Path, rank: int) -> str | None:
+    """The traceback ``rank`` left in its last attempt, if it raised."""
+    traces = sorted(tmp.glob(f"trace-a*-rank{rank}.txt"), key=_attempt)
+    if not traces:
+        return None
+    return traces[-1].read_text(encoding="utf-8").partition("\n")[2].rstrip()
+
+
+def stop_report(tmp: Path) -> Stopped | None:
+    """The stop the processes of the last attempt reported (their line is printed)."""
+    reports = sorted(tmp.glob("stopped-a*.json"), key=_attempt)
+    if not reports:
+        return None
+    saved = json.loads(reports[-1].read_text(encoding="utf-8"))
+    request = Request(int(saved["signum"]), float(saved["at"]))
+    return Stopped(request, str(saved["message"]))
+
+
+def stopped_on_signal(tmp: Path, signum: int) -> BaseException:
+    """What a signal to the agent ends with: the processes' stop, or an interruption."""
+    stopped = stop_report(tmp)
+    if stopped is not None:
+        return stopped
+    request = Request(int(signum), time.time())
+    if request.name == "SIGINT":
+        return KeyboardInterrupt()
+    message = stop_message(request, None, None, 0.0)
+    print(message, file=sys.stderr, flush=True)
+    return Stopped(request, message)
+
+
+@contextlib.contextmanager
+def _second_interrupt_kills(tmp: Path) -> Iterator[None]:
+    """The agent's first Ctrl-C passes SIGINT on and waits up to 30 s for its processes
+    (they save a checkpoint); a second one SIGKILLs them and stops at once. torch registers
+    its handler by this module-level name when it starts the processes."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api._terminate_process_handler
+    interrupts = [0]
+
+    def handle(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            interrupts[0] += 1
+            if interrupts[0] > 1:
+                _kill_left(tmp)
+                raise KeyboardInterrupt
+        original(signum, frame)
+
+    api._terminate_process_handler = handle
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = original
+
+
+def _kill_left(tmp: Path) -> None:
+    """SIGKILL the processes of this machine still running (each leads its own session)."""
+    for path in tmp.glob("started-a*-rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(path.read_text(encoding="utf-8"))
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"paratrain.cli.entry" in cmdline:  # not a reused pid
+                os.killpg(pid, signal.SIGKILL)
+
+
+def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:
+    """Which rank made attempt ``attempt`` fail, as the processes of this machine left
+    it in the report folder: one that died without a word (killed), else the first that
+    raised."""
+    started = {_rank_of(p) for p in tmp.glob(f"started-a{attempt}-rank*")}
+    raised = {_rank_of(p): p for p in tmp.glob(f"trace-a{attempt}-rank*.txt")}
+    silent = sorted(started - set(raised))
+    if silent:
+        return f"rank {silent[0]} died (killed, or exited without an error)"
+    if raised:
+        def when(rank: int) -> float:
+            return float(raised[rank].read_text(encoding="utf-8").partition("\n")[0] or 0)
+
+        rank = min(raised, key=when)
+        lines = raised[rank].read_text(encoding="utf-8").rstrip().splitlines()
+        return f"rank {rank} failed ({lines[-1] if len(lines) > 1 else 'an error'})"
+    return f"a process of another machine failed ({world_size} processes in all)"
+
+
+def _rank_of(path: Path) -> int:
+    return int(path.name.split("-rank")[1].split(".")[0])
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """torchrun's agent logs each worker's exit and every signal it passes on; paratrain
+    says what matters in one line (a failure names its cause, a restart is one note)."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith("torch.distributed")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _attempt(report: Path) -> int:
+    """The attempt of ``report-a{ATTEMPT}-rank{RANK}.txt`` (and of the other reports)."""
+    found = re.search(r"-a(\d+)", report.name)
+    return int(found.group(1)) if found else 0

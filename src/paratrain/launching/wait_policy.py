@@ -1,0 +1,70 @@
+"""The OpenMP wait policy of the process the ``paratrain`` command runs in, chosen from the
+machine's load when the command starts.
+
+Imported first by the package, for its side effect: OpenMP reads its wait policy once,
+when torch is imported, and `paratrain train --strategy cpu` trains in this very process.
+Threads that spin while they wait are the fastest on a quiet machine (digits on 2 cores:
+about 1.5x the samples/s of sleeping ones), and beside other busy processes they wait for a
+core they do not have (about 3x slower than sleeping ones, 100x in the worst case). The
+policy changes how fast a run is, never what it computes (the thread count does, and it
+does not follow the load: see :mod:`paratrain.launching.threads`), so it may follow the load: where
+other work keeps a core busy when the command starts, ``OMP_WAIT_POLICY=PASSIVE``;
+otherwise OpenMP's default. Only the command line (``paratrain ...``, ``python -m
+paratrain``): a script that imports paratrain keeps its own setting. A policy the user set
+is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+PASSIVE = "PASSIVE"
+#: test hook: the number of busy cores the command sees when it starts
+BUSY_VARIABLE = "PARATRAIN_TEST_BUSY_CORES"
+
+
+def is_the_command() -> bool:
+    """Whether this interpreter runs the ``paratrain`` command (``python -m paratrain`` is
+    being imported while ``sys.argv[0]`` still reads ``-m``)."""
+    first = sys.argv[0] if sys.argv else ""
+    return first == "-m" or os.path.basename(first) == "paratrain"
+
+
+def busy_cores(samples: int = 5, interval: float = 0.01) -> float:
+    """How many cores other processes keep busy now: runnable tasks in ``/proc/loadavg``
+    less this one (the median of a few looks), else the 1-minute load average."""
+    looks: list[int] = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as handle:
+                running = int(handle.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            break
+        looks.append(max(0, running - 1))  # this process is running while it reads
+        if i + 1 < samples:
+            time.sleep(interval)
+    if looks:
+        return float(sorted(looks)[len(looks) // 2])
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def policy_for(busy: float) -> str | None:
+    """``PASSIVE`` where at least one core is busy with other work, else None (OpenMP's
+    default: spin a while, then sleep)."""
+    return PASSIVE if busy >= 1.0 else None
+
+
+def _busy_now() -> float:
+    given = os.environ.get(BUSY_VARIABLE)
+    return float(given) if given else busy_cores(samples=3, interval=0.005)
+
+
+if is_the_command() and "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+    _policy = policy_for(_busy_now())
+    if _policy is not None:
+        os.environ["OMP_WAIT_POLICY"] = _policy

@@ -1,0 +1,1 @@
+"""The Runtime facade and what it applies: the step, collectives, speed."""

@@ -1,0 +1,37 @@
+"""The runtime's checkpoints (``rt.save``, ``rt.load``, ``rt.save_weights``): the
+collective operations around :mod:`paratrain.checkpoints.state`, named for the
+collective-order check."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from paratrain.checkpoints.state import load_state, save_model_weights, save_state
+from paratrain.runtime.parts import RuntimeView
+
+
+class RuntimeCheckpoints:
+    """Saving and loading through the runtime's processes and devices."""
+
+    def __init__(self, rt: RuntimeView) -> None:
+        self.rt = rt
+
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        strategy = self.rt.strategy
+        with strategy.collective.operation("rt.save"):
+            save_state(strategy.collective, strategy.devices, path, state)
+
+    def load(
+        self, path: str | os.PathLike[str], into: dict[str, Any] | None, rng: bool
+    ) -> dict[str, Any]:
+        strategy = self.rt.strategy
+        with strategy.collective.operation("rt.load"):
+            return load_state(strategy.collective, strategy.devices, path, into, rng)
+
+    def save_weights(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
+        collective = self.rt.strategy.collective
+        with collective.operation("rt.save_weights"):
+            save_model_weights(collective, model, path)

@@ -1,0 +1,55 @@
+"""The runtime's collectives (``rt.all_reduce``, ``rt.all_gather``, ``rt.broadcast_object``,
+``rt.barrier``): each named for the collective-order check, each first agreeing on a
+pending non-finite loss so that no process waits in a collective the others left."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from paratrain.distributed.collective import ReduceOp
+from paratrain.runtime.evaluation_notes import EvaluationNotes
+from paratrain.runtime.parts import RuntimeView
+
+T = TypeVar("T")
+
+
+class RuntimeCollectives:
+    """The collectives a user's loop calls through the runtime."""
+
+    def __init__(self, rt: RuntimeView, notes: EvaluationNotes) -> None:
+        self.rt = rt
+        self.notes = notes
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self.notes.reduced()
+        collective = self.rt.strategy.collective
+        with collective.operation("rt.all_reduce"):
+            self.rt.nonfinite.agree(collective, "all_reduce")
+            return collective.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.notes.reduced()
+        collective = self.rt.strategy.collective
+        with collective.operation("rt.all_gather"):
+            self.rt.nonfinite.agree(collective, "all_gather")
+            return collective.all_gather(tensor)
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        collective = self.rt.strategy.collective
+        with collective.operation("rt.broadcast_object"):
+            self.rt.nonfinite.agree(collective, "broadcast_object")
+            return collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
+
+    def barrier(self) -> None:
+        collective = self.rt.strategy.collective
+        with collective.operation("rt.barrier"):
+            self.rt.nonfinite.agree(collective, "barrier")
+            collective.barrier()
+
+    def agree_seed(self, seed: int) -> int:
+        """Rank 0's draw of a loader's permutation seed, on every process."""
+        collective = self.rt.strategy.collective
+        with collective.operation("the shuffle of a loader (at the start of its epoch)"):
+            return int(collective.broadcast_object(seed))

@@ -1,0 +1,328 @@
+"""The facade users put in their own training loop.
+
+    rt = paratrain.Runtime(strategy="auto")
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.setup_loader(loader)
+    ...
+    rt.backward(loss)
+
+The runtime holds a :class:`~paratrain.strategies.Strategy` and a
+:class:`~paratrain.devices.precision.Precision` and delegates to them; it never asks which strategy
+it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paratrain.data.loaders import DeviceLoader
+from paratrain.data.placement import move_to_device
+from paratrain.distributed.collective import ReduceOp
+from paratrain.launching import heartbeat
+from paratrain.launching.launch import launch
+from paratrain.launching.threads import ThreadChoice
+from paratrain.runtime.config import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
+from paratrain.runtime.determinism import make_deterministic
+from paratrain.runtime.groups import MethodGroups
+from paratrain.runtime.parts import assemble, describe
+from paratrain.runtime.seeding import seed_everything
+from paratrain.runtime.uneven import join_uneven
+from paratrain.strategies import Strategy
+
+T = TypeVar("T")
+
+__all__ = ["DEVICES_VARIABLE", "STRATEGY_VARIABLE", "Runtime", "RuntimeConfig"]  # re-exported
+
+
+class Runtime:
+    """Places models, optimizers and batches for one strategy; runs the collectives."""
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        devices: str | int | None = None,
+        precision: str = "32",
+        seed: int | None = None,
+        accumulate: int = 1,
+        sync_batchnorm: bool = False,
+        deterministic: bool = False,
+        compile: bool | str | None = False,
+        channels_last: bool | None = None,
+        fused_optimizer: bool | None = None,
+        batch_size_per: str = "global",
+        fsdp_blocks: Sequence[str] = (),
+        pipeline_split: Sequence[str] = (),
+        pipeline_schedule: str = "1f1b",
+        pipeline_microbatches: int = 4,
+        threads: int | None = None,
+        oom: str = "off",
+        activation_checkpointing: bool = False,
+    ) -> None:
+        """``seed``: None (default) leaves every random generator as the script set it, and
+        loaders draw their order from them as torch's DataLoader does; an int seeds Python,
+        NumPy and torch with it, and loaders shuffle with their own generator seeded with
+        ``seed + epoch`` (see :mod:`paratrain.data.loaders`).
+        ``deterministic``: reproducible on GPUs (see :mod:`paratrain.runtime.determinism`);
+        ``compile``: True, or a torch.compile mode (see :mod:`paratrain.runtime.compiling`);
+        ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
+        (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.runtime.speed`; ``fsdp_blocks``: class
+        names (``"TransformerBlock"``) or module names of the blocks ``strategy="fsdp"``
+        shards as one unit each (default: the model's repeated layers); ``pipeline_split``
+        (the modules that start stages 2, 3, ...; default: balanced by parameter count),
+        ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
+        :mod:`paratrain.strategies.pipeline`; ``threads``: intra-op threads of each
+        process (default: chosen for the cores and the load, see
+        :mod:`paratrain.launching.threads`);
+        ``oom="auto"``: a micro-batch that runs out of memory in ``rt.forward_backward`` is
+        redone in smaller pieces, the same step (see :mod:`paratrain.runtime.oom`);
+        ``activation_checkpointing``: each block recomputes its activations in the backward
+        (see :mod:`paratrain.runtime.activation_checkpointing`)."""
+        if deterministic:  # first: before anything can start cuBLAS
+            make_deterministic()
+        self.config = RuntimeConfig.of(
+            strategy, devices, precision, seed, accumulate, sync_batchnorm, deterministic,
+            compile, channels_last, fused_optimizer, batch_size_per, fsdp_blocks,
+            pipeline_split, pipeline_schedule, pipeline_microbatches, threads, oom,
+            activation_checkpointing,
+        )  # fmt: skip
+        parts = assemble(self.config)
+        self.strategy: Strategy = parts.strategy
+        #: this process's intra-op threads, and those of the processes it starts
+        self.threads: ThreadChoice = parts.threads
+        self.speed = parts.speed
+        self.precision = parts.precision
+        self.seed = seed
+        self.accumulation = parts.accumulation
+        #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
+        self.nonfinite = parts.nonfinite
+        #: --oom auto: how many pieces each micro-batch is cut into
+        self.micro_batches = parts.micro_batches
+        self.oom_refused = parts.oom_refused
+        self.init_seed: int | None = seed
+        self._connected = False
+        self._groups = MethodGroups.of(self)  # what this facade delegates to
+        if seed is not None:  # last: nothing above draws random numbers
+            seed_everything(seed)
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig) -> Runtime:
+        return cls(**config.runtime_arguments())
+
+    @property
+    def accumulate_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.accumulation.steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the next ``optimizer.step()`` applies the gradients (False while
+        accumulating micro-batches)."""
+        return self.accumulation.sync_gradients
+
+    # -- where am I --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.collective.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.collective.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.collective.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _connect(self) -> None:
+        heartbeat.beat()  # every collective and setup passes here: progress for the watchdog
+        if not self._connected:
+            self.strategy.setup_process()
+            self._connected = True
+
+    # -- processes ---------------------------------------------------------------------------
+    def launch(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """Run ``fn(rt, *args)`` in as many processes as the strategy needs.
+
+        Returns ``fn``'s result; when processes were spawned, rank 0's. Spawned processes
+        get ``fn`` and ``args`` pickled: define ``fn`` at the top level of a module.
+        """
+        rebuild = functools.partial(Runtime.from_config, self.config)
+        env = self.threads.child_environment()
+        return launch(self, self.strategy.num_processes, rebuild, fn, *args, environment=env)
+
+    # -- placing things ----------------------------------------------------------------------
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        init_seed: int | None = None,
+    ) -> Any:
+        """Place ``model`` (and the optimizer's state) and wrap them for the strategy.
+
+        Returns what it was given, in the same order: ``model``, ``(model, optimizer)``,
+        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``. A model built on the meta
+        device gets its weights from ``init_seed`` (default: the runtime's ``seed``), each
+        process only its part (:mod:`paratrain.models.meta_init`).
+        """
+        self._connect()
+        self.init_seed = init_seed if init_seed is not None else self.seed
+        with self.strategy.collective.operation("rt.setup"):  # DDP broadcasts the weights
+            return self._groups.setup.model(model, optimizer, loss_fn)
+
+    def setup_loader(
+        self,
+        loader: DataLoader[Any],
+        evaluation: bool = False,
+        *,
+        data_path: str = "auto",
+        device_budget_gib: float | None = None,
+    ) -> DeviceLoader:
+        """Deliver ``loader``'s batches on this process's device, sharded across processes.
+
+        Every layout sees the same global batches (the loader's ``batch_size`` is the global
+        batch; with ``batch_size_per="process"`` each process's, so the global batch is
+        ``batch_size`` x processes). ``evaluation=True``: every sample exactly once over all
+        processes, no padding. ``data_path``: how batches are made (auto, loader, batched,
+        device; see :mod:`paratrain.data.paths`), the same batches whichever.
+        """
+        self._connect()
+        return self._groups.setup.loader(loader, evaluation, data_path, device_budget_gib)
+
+    def to_device(self, obj: T) -> T:
+        """Move tensors (nested in tuples, lists, dicts) to this process's device."""
+        return move_to_device(obj, self.device)  # type: ignore[no-any-return,unused-ignore]
+
+    # -- the step ----------------------------------------------------------------------------
+    def forward_backward(
+        self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, target: Any
+    ) -> torch.Tensor:
+        """``loss = loss_fn(model(inputs), target)`` and ``rt.backward(loss)`` in one call,
+        which every strategy runs, ``pipeline`` included (there forward and backward run
+        together, micro-batch by micro-batch). Returns the loss."""
+        return self._groups.step.forward_backward(model, loss_fn, inputs, target)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the precision policy, scaled for accumulation."""
+        self._groups.step.backward(loss)
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last ``rt.backward`` was skipped for a non-finite loss
+        (``--skip-nonfinite`` / ``PARATRAIN_NONFINITE=skip``)."""
+        return self.nonfinite.skipped
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Call before clipping gradients: under fp16 with a GradScaler they are scaled
+        (by 65,536 at first) until ``optimizer.step()``; elsewhere this does nothing."""
+        unscale = getattr(optimizer, "unscale_gradients", None)
+        if unscale is not None:  # the optimizer rt.setup wrapped (RuntimeOptimizer)
+            unscale()
+
+    def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Wrap a loop whose ranks may get different numbers of batches (torch's ``Join``):
+        a rank that runs out waits for the others instead of hanging them."""
+        return join_uneven(model, self.nonfinite)
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """Wrap forward and backward of one micro-batch: skips the gradient all-reduce on
+        every micro-step but the last of each group of ``accumulate``."""
+        last = self.accumulation.next_is_last()
+        with contextlib.nullcontext() if last else self.strategy.no_sync(model):
+            yield
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast, for code outside the model's forward."""
+        return self.precision.autocast()
+
+    # -- collectives (paratrain.runtime.collectives) -----------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._connect()
+        return self._groups.collectives.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._connect()
+        return self._groups.collectives.all_gather(tensor)
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        self._connect()
+        return self._groups.collectives.broadcast_object(obj, src)
+
+    def barrier(self) -> None:
+        self._connect()
+        self._groups.collectives.barrier()
+
+    # -- stopping on a signal (paratrain.runtime.stop) ---------------------------------------
+    def should_stop(self) -> bool:
+        """Whether to stop after this step because SIGTERM, SIGUSR1 or Ctrl-C reached any
+        process (:mod:`paratrain.launching.preemption`). Call it on every process at the same
+        points,
+        once per optimizer step: the processes agree with one small all-reduce. The first
+        call installs the signal handlers; a second Ctrl-C still stops at once."""
+        self._connect()
+        return self._groups.stop.agree()
+
+    def exit_stopped(
+        self, checkpoint: str | os.PathLike[str] | None = None, step: int | None = None
+    ) -> NoReturn:
+        """After ``should_stop()`` and your ``rt.save``: print one line on the main process
+        (the signal, the step, the checkpoint, seconds since the signal) and raise
+        :class:`~paratrain.launching.preemption.Stopped`, a ``SystemExit`` with code 128 + the
+        signal's number."""
+        self._groups.stop.exit(checkpoint, step)
+
+    # -- checkpoints (paratrain.runtime.checkpoints) -----------------------------------------
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """Save ``state`` to the file ``path``: modules (plain parameter names), optimizers,
+        LR schedulers and GradScalers (their ``state_dict()``), tensors, plain values, and
+        every process's random generator states. Call it on every process; the main one
+        writes, atomically, and all return once the file is complete."""
+        self._connect()
+        self._groups.checkpoints.save(path, state)
+
+    def load(
+        self, path: str | os.PathLike[str], into: dict[str, Any] | None = None, rng: bool = True
+    ) -> dict[str, Any]:
+        """Read a file :meth:`save` wrote, on every process: load its entries into the
+        objects of ``into`` (same keys as saved) and, with ``rng`` and the same number of
+        processes, restore this process's random generators. Returns every saved entry."""
+        self._connect()
+        return self._groups.checkpoints.load(path, into, rng)
+
+    def save_weights(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
+        """Write ``model``'s full weights with plain names to ``path`` (safetensors). Call it
+        on every process: sharded (fsdp) weights are gathered, the main process writes."""
+        self._connect()
+        self._groups.checkpoints.save_weights(model, path)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only. After an evaluation loop under several
+        processes with no ``rt.all_reduce`` since, it says once that the values are the main
+        process's part alone."""
+        self._groups.notes.before_print()
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def teardown(self) -> None:
+        self.strategy.teardown()
+        self._connected = False
+
+    def describe(self) -> dict[str, Any]:
+        return describe(self)

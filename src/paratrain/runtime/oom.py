@@ -1,0 +1,182 @@
+"""Out of memory costs time, not the run (``Runtime(oom="auto")``, ``--oom auto``).
+
+With ``oom="auto"``, ``rt.forward_backward`` cuts each micro-batch into ``split`` pieces
+(1 at first) and runs forward and backward piece by piece, each piece's loss weighted by its
+share of the micro-batch: the sum of the pieces' gradients is the micro-batch's gradient, so
+a step with pieces is the same step (the same global batch), only slower.
+
+After each piece's forward, before its backward, every process joins one small all-reduce
+(a flag per rank) saying whether it ran out of memory; a process that did still joins it,
+so no process waits in another collective. If any did, every process drops that piece
+(its forward touched no gradient), restores what the forward changed (random generators,
+BatchNorm statistics), doubles ``split`` and redoes the rest of the micro-batch with pieces
+half as large. The main process notes it once; the loop saves ``split`` in its checkpoints
+and reports the micro-batch in its summary. A run of one process needs no all-reduce.
+
+What cannot be redone safely, said in one message instead of a hang:
+
+* a micro-batch already of one sample per process (nothing left to halve);
+* an out-of-memory error inside the backward pass when gradients were already there (earlier
+  pieces or micro-batches of the step) or when the backward communicates (ddp's gradient
+  all-reduce, fsdp's gathers and reduce-scatters): the other processes are then inside a
+  collective that the failed one never joins;
+* an error inside fsdp's forward, between its parameter gathers (the same reason); an error
+  at the end of fsdp's forward (the activations' peak) is recovered like any other;
+* ``pipeline``, whose schedule already cuts batches into micro-batches
+  (``--pipeline-microbatches``).
+
+Test hook: ``PARATRAIN_TEST_OOM=RANK:ABOVE[:STEP]`` (``RANK`` may be ``*``) makes process
+``RANK`` raise ``torch.OutOfMemoryError`` at the end of the forward of every piece of more
+than ``ABOVE`` samples (from optimizer step ``STEP`` on, 1-based), as a GPU whose memory
+holds ``ABOVE`` samples' activations would. Only ``--oom auto`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.distributed.collective import Collective
+from paratrain.utils.errors import UserError
+
+OOM_MODES = ("auto", "off")
+TEST_VARIABLE = "PARATRAIN_TEST_OOM"
+
+
+class OutOfMemoryStop(RuntimeError):
+    """Running out of memory where the step cannot be redone; the message says why."""
+
+
+def check_oom_mode(mode: str) -> str:
+    if mode not in OOM_MODES:
+        raise UserError(f"--oom {mode!r}: use one of {', '.join(OOM_MODES)}")
+    return mode
+
+
+def test_hook(rank: int, pieces_samples: int, step: int) -> None:
+    """``PARATRAIN_TEST_OOM``: raise as a device that holds no more samples would."""
+    raw = os.environ.get(TEST_VARIABLE)
+    if not raw:
+        return
+    who, above, *since = raw.split(":")
+    if since and step < int(since[0]):
+        return
+    if (who == "*" or int(who) == rank) and pieces_samples > int(above):
+        raise torch.OutOfMemoryError(
+            f"{TEST_VARIABLE}: rank {rank} holds at most {above} samples, got {pieces_samples}"
+        )
+
+
+def batch_length(batch: Any) -> int:
+    """Samples in a batch (a tensor, or nested tuples, lists and dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_length(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_length(next(iter(batch.values())))
+    raise UserError("--oom auto cuts batches along their first dimension: pass tensors")
+
+
+def cut(batch: Any, start: int, end: int) -> Any:
+    """Samples ``start:end`` of every tensor in ``batch``."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:end]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cut(item, start, end) for item in batch)
+    if isinstance(batch, dict):
+        return {key: cut(value, start, end) for key, value in batch.items()}
+    return batch
+
+
+@dataclass
+class Snapshot:
+    """What a forward changes besides the autograd graph: the random generators and the
+    running statistics of normalization layers."""
+
+    cpu_rng: torch.Tensor
+    device_rng: torch.Tensor | None
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, model: nn.Module, device: torch.device) -> Snapshot:
+        device_rng = None
+        if device.type == "cuda":
+            device_rng = torch.cuda.get_rng_state(device)
+        # only normalization statistics change in a forward; other buffers (masks, caches)
+        # may be large and are left alone
+        norms = [m for m in model.modules() if isinstance(m, _NORMS)]
+        buffers = [(b, b.detach().clone()) for m in norms for b in m.buffers(recurse=False)]
+        return cls(torch.get_rng_state(), device_rng, buffers)
+
+    def restore(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.device_rng is not None:
+            torch.cuda.set_rng_state(self.device_rng, device)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+
+
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+class MicroBatches:
+    """How many pieces each micro-batch is cut into, and the agreement on running out."""
+
+    def __init__(self, mode: str = "off") -> None:
+        self.mode = check_oom_mode(mode)
+        #: pieces per micro-batch (a power of two); checkpoints remember it
+        self.split = 1
+        #: samples per process of a piece after the last halving (None: never halved)
+        self.piece_samples: int | None = None
+        #: the optimizer step (1-based) at which the micro-batch was last halved
+        self.halved_at: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode == "auto"
+
+    def any_failed(
+        self, collective: Collective, failed: bool, device: torch.device, samples: int
+    ) -> tuple[list[int], int] | None:
+        """Every process says whether it ran out and how many samples its piece had: None
+        if none ran out, else the ranks that did and the largest piece."""
+        world = collective.world_size
+        if world == 1:
+            return ([0], samples) if failed else None
+        known = torch.zeros(2 * world, dtype=torch.float64, device=device)
+        known[collective.rank] = float(failed)
+        known[world + collective.rank] = float(samples)
+        told = collective.all_reduce(known, "sum").tolist()
+        ranks = [rank for rank in range(world) if told[rank]]
+        return (ranks, int(max(told[world:]))) if ranks else None
+
+    def halve(self, collective: Collective, ranks: list[int], samples: int, step: int) -> None:
+        """Double ``split`` after ``ranks`` ran out with pieces of ``samples`` samples."""
+        if samples <= 1:
+            raise OutOfMemoryStop(
+                f"out of memory on rank(s) {_names(ranks)} at step {step} with one sample per "
+                "process: nothing left to halve; use --precision bf16, --strategy fsdp, more "
+                "devices or a smaller model"
+            )
+        self.split *= 2
+        self.piece_samples = max(1, samples // 2)
+        self.halved_at = step
+        collective.note(
+            f"paratrain: note: out of memory on rank(s) {_names(ranks)} at step {step} with "
+            f"{samples} samples per process; every process now cuts each micro-batch into "
+            f"{self.split} pieces (about {self.piece_samples} samples each): the same global "
+            "batch, more time per step"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"oom": self.mode, "micro_batch_split": self.split}
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)

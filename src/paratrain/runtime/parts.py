@@ -1,0 +1,101 @@
+"""The parts a :class:`~paratrain.Runtime` is made of, built from its configuration in
+the order that matters: the strategy, then this process's threads (before torch's thread
+pools start), then the speed options and precision; and :class:`RuntimeView`, what the
+groups of methods the facade delegates to read of it each time they are called (so that a
+part a user or test replaces on the runtime is the one they use)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from paratrain.devices.precision import Precision
+from paratrain.launching.launch import launched
+from paratrain.launching.threads import ThreadChoice, apply_here, choose_for
+from paratrain.runtime.config import RuntimeConfig
+from paratrain.runtime.determinism import numerics_settings
+from paratrain.runtime.nonfinite import NonFiniteCheck
+from paratrain.runtime.oom import MicroBatches
+from paratrain.runtime.optim import Accumulation
+from paratrain.runtime.speed import Speed
+from paratrain.strategies import Strategy, build_strategy, check_sync_batchnorm
+from paratrain.utils.errors import UserError
+
+
+class RuntimeView(Protocol):
+    """The runtime's parts, as its method groups read them."""
+
+    config: RuntimeConfig
+    strategy: Strategy
+    seed: int | None
+    threads: ThreadChoice
+    speed: Speed
+    precision: Precision
+    accumulation: Accumulation
+    nonfinite: NonFiniteCheck
+    micro_batches: MicroBatches
+    #: why --oom auto cannot work under this strategy (said once, at rt.setup), or None
+    oom_refused: str | None
+    #: what a model built on the meta device is initialised from (rt.setup's init_seed)
+    init_seed: int | None
+
+
+@dataclass
+class RuntimeParts:
+    """One runtime's strategy and settings, built."""
+
+    strategy: Strategy
+    threads: ThreadChoice
+    speed: Speed
+    precision: Precision
+    accumulation: Accumulation
+    nonfinite: NonFiniteCheck
+    micro_batches: MicroBatches
+    oom_refused: str | None
+
+
+def assemble(config: RuntimeConfig) -> RuntimeParts:
+    """Build the parts of a runtime; refuses settings the strategy cannot apply."""
+    strategy = build_strategy(config.strategy, config.devices, config.options)
+    threads = choose_for(strategy.num_processes, config.threads)
+    if strategy.num_processes == 1 or launched():  # before torch's pools start
+        apply_here(threads)
+        # what this process has: OpenMP read the wait policy when torch was imported
+        policy = os.environ.get("OMP_WAIT_POLICY") or "default"
+        threads = dataclasses.replace(threads, wait_policy=policy)
+    check_sync_batchnorm(strategy, config.sync_batchnorm)
+    if config.activation_checkpointing and not strategy.allows_activation_checkpointing:
+        raise UserError(
+            "--activation-checkpointing does not work with --strategy "
+            f"{strategy.name}: its replicas of the model run the blocks' original "
+            "forward; use ddp or fsdp"
+        )
+    oom_refused = strategy.oom_refused() if config.oom == "auto" else None
+    return RuntimeParts(
+        strategy=strategy,
+        threads=threads,
+        speed=Speed(config.speed, strategy),
+        precision=Precision(config.precision, strategy.root_device),
+        accumulation=Accumulation(steps=config.accumulate),
+        nonfinite=NonFiniteCheck(),
+        micro_batches=MicroBatches("off" if oom_refused else config.oom),
+        oom_refused=oom_refused,
+    )
+
+
+def describe(rt: RuntimeView) -> dict[str, Any]:
+    """What ``rt.describe()`` reports: the strategy and every setting in force."""
+    return {
+        **rt.strategy.describe(),
+        "precision": rt.precision.name,
+        "world_size": rt.strategy.collective.world_size,
+        "accumulate": rt.accumulation.steps,
+        "deterministic": rt.config.deterministic,
+        **rt.micro_batches.describe(),
+        "activation_checkpointing": rt.config.activation_checkpointing,
+        "numerics": numerics_settings(),
+        "threads": rt.threads.describe(),
+        **rt.speed.describe(),
+    }

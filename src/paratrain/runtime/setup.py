@@ -1,0 +1,149 @@
+"""What ``rt.setup`` applies to a model, its optimizer and its loss function, in order:
+SyncBatchNorm, activation checkpointing, placement, the speed options, the strategy's
+wrapper, the device guard, the precision's forward and the deterministic-mode names; and
+what ``rt.setup_loader`` applies to a loader (the global batch, the data path, the shard)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paratrain.data.loaders import DeviceLoader
+from paratrain.data.paths import setup_data_path
+from paratrain.data.placement import guard_forward
+from paratrain.models.meta_init import MetaInit, is_meta
+from paratrain.runtime.activation_checkpointing import apply_activation_checkpointing
+from paratrain.runtime.batching import global_batch_size
+from paratrain.runtime.determinism import naming_nondeterministic
+from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state
+from paratrain.runtime.parts import RuntimeView
+from paratrain.utils.errors import UserError
+
+
+class RuntimeSetup:
+    """What ``rt.setup`` and ``rt.setup_loader`` apply, with the runtime's parts."""
+
+    def __init__(
+        self,
+        rt: RuntimeView,
+        agree_seed: Callable[[int], int],
+        loop_started: Callable[[DeviceLoader], None],
+    ) -> None:
+        self.rt = rt
+        self.agree_seed = agree_seed
+        self.loop_started = loop_started
+        self._oom_told = False
+
+    def model(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[..., torch.Tensor] | None,
+    ) -> Any:
+        """``model``, ``(model, optimizer)``, ``(model, loss_fn)`` or
+        ``(model, optimizer, loss_fn)``, placed and wrapped."""
+        rt = self.rt
+        strategy, config = rt.strategy, rt.config
+        if strategy.needs_loss_fn and loss_fn is None:
+            raise UserError(
+                f"strategy {strategy.name} computes the loss on every device: "
+                "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
+            )
+        if rt.oom_refused is not None and not self._oom_told:
+            self._oom_told = True
+            strategy.collective.note(
+                "paratrain: note: --oom auto: out-of-memory recovery is not available under "
+                f"--strategy {strategy.name} ({rt.oom_refused}); running out of memory stops "
+                "the run"
+            )
+        if is_meta(model):  # built on the meta device: weights from the seed, part by part
+            self._materialize(model)
+        if config.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if config.activation_checkpointing:  # before fsdp: its hooks wrap the blocks
+            apply_activation_checkpointing(model, config.options.fsdp_blocks)
+        strategy.place_model(model)  # pipeline: only this process's stage, in wrap_model
+        rt.speed.prepare_model(model)
+        wrapped = strategy.wrap_model(model)
+        if optimizer is not None:
+            strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
+        wrapped = rt.speed.wrap_model(wrapped, rt.precision.name, rt.precision.autocast)
+        if len(strategy.devices) == 1:  # DataParallel scatters inputs itself
+            wrapped = guard_forward(wrapped, strategy.root_device)
+        wrapped = rt.precision.wrap_forward(wrapped)
+        if config.deterministic:
+            wrapped.forward = naming_nondeterministic(wrapped.forward)
+        result: list[Any] = [wrapped]
+        if optimizer is not None:
+            result.append(self._setup_optimizer(model, optimizer))
+        if loss_fn is not None:
+            loss_fn = strategy.wrap_loss(loss_fn)
+            result.append(naming_nondeterministic(loss_fn) if config.deterministic else loss_fn)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _materialize(self, model: nn.Module) -> None:
+        seed = self.rt.init_seed
+        if seed is None:
+            raise UserError(
+                "the model is on the meta device: paratrain gives it its weights from the "
+                "run's seed; pass Runtime(seed=N), or build the model on a real device"
+            )
+        init = MetaInit(model, seed)
+        if self.rt.strategy.builds_parts:
+            self.rt.strategy.meta_init = init  # wrap_model materialises this process's part
+        else:
+            init.materialize([model])
+
+    def _setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        model_params = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:
+            # pipeline: other stages' parameters are meta placeholders (rebind_optimizer)
+            if any(id(p) not in model_params and not p.is_meta for p in group["params"]):
+                raise UserError(
+                    "the optimizer holds parameters that are not the model's; build it from "
+                    "model.parameters() of the model you pass to rt.setup"
+                )
+        rt = self.rt
+        move_optimizer_state(optimizer, rt.strategy.root_device)
+        rt.speed.prepare_optimizer(optimizer)
+        if rt.precision.scaler is None and rt.accumulation.steps == 1:
+            return optimizer
+        return RuntimeOptimizer(optimizer, rt.precision, rt.accumulation)  # type: ignore[return-value]
+
+    def loader(
+        self,
+        loader: DataLoader[Any],
+        evaluation: bool,
+        data_path: str,
+        device_budget_gib: float | None,
+    ) -> DeviceLoader:
+        """``loader``'s batches on this process's device, this process's shard of them; the
+        processes agree on each epoch's shuffle, and an evaluation loop over shards is
+        noted until its sums are all-reduced."""
+        rt = self.rt
+        shards = rt.strategy.data_shards
+        batch_size = loader.batch_size
+        if batch_size is not None:
+            batch_size = global_batch_size(batch_size, rt.config.batch_size_per, shards)
+        device_loader = setup_data_path(
+            loader,
+            device=rt.strategy.root_device,
+            rank=rt.strategy.data_rank,
+            world_size=shards,
+            seed=rt.seed,
+            evaluation=evaluation,
+            sink=None if evaluation else rt.accumulation,
+            data_path=data_path,
+            device_budget_gib=device_budget_gib,
+            batch_size=batch_size,
+            agree=self.agree_seed if rt.strategy.collective.world_size > 1 else None,
+        )
+        if shards > 1:
+            device_loader.on_no_grad = self.loop_started
+        return device_loader

@@ -1,0 +1,1 @@
+"""Bench, plan, tune, doctor and export: tools around training."""

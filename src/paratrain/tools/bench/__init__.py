@@ -1,0 +1,48 @@
+"""Measuring layouts and precisions: `paratrain bench` and its micro-benchmarks.
+
+from paratrain.tools.bench import BenchSettings, TaskSource, run_bench
+report = run_bench(BenchSettings(TaskSource(recipe="digits"), strategies=["cpu"]))
+print(report.recommendation.message)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paratrain.tools.bench.recommend import Candidate, Recommendation, recommend
+    from paratrain.tools.bench.runner import BenchReport, BenchSettings, RunResult, run_bench
+    from paratrain.tools.bench.task import TaskSource
+
+#: imported on first use: the command line reads this package's torch-free modules
+#: (progress, crossover's sizes) to build `paratrain bench --help` without torch
+_LAZY = {
+    "Candidate": "paratrain.tools.bench.recommend",
+    "Recommendation": "paratrain.tools.bench.recommend",
+    "recommend": "paratrain.tools.bench.recommend",
+    "BenchReport": "paratrain.tools.bench.runner",
+    "BenchSettings": "paratrain.tools.bench.runner",
+    "RunResult": "paratrain.tools.bench.runner",
+    "run_bench": "paratrain.tools.bench.runner",
+    "TaskSource": "paratrain.tools.bench.task",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paratrain.tools.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "BenchReport",
+    "BenchSettings",
+    "Candidate",
+    "Recommendation",
+    "RunResult",
+    "TaskSource",
+    "recommend",
+    "run_bench",
+]

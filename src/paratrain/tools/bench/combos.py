@@ -1,0 +1,257 @@
+"""Which (strategy, precision, batch size) combinations to measure, and why others cannot run.
+
+Everything comes from the strategy registry: a strategy added later appears here without a
+change. A combination this machine cannot run is kept, with the reason, so the report says
+what was left out instead of silently measuring less.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from paratrain.devices.machine import cuda_count, mps_available
+from paratrain.devices.precision import normalize_precision, precision_unavailable_reason
+from paratrain.strategies import AUTO, build_strategy, resolve_auto, strategy_class, strategy_names
+from paratrain.strategies.base import Strategy
+from paratrain.strategies.single import SingleDeviceStrategy
+from paratrain.utils.errors import UserError
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One measured layout. ``devices`` is the spec handed to the strategy (None: its own)."""
+
+    strategy: str
+    precision: str
+    batch_size: int
+    devices: str | None
+    device_names: tuple[str, ...] = ()
+    processes: int = 1
+    skip_reason: str | None = None
+    #: each block recomputes its activations in the backward (bench --activation-checkpointing)
+    activation_checkpointing: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.precision == "-":
+            return self.strategy
+        layout = self.strategy
+        if len(self.device_names) > 1:
+            layout += f"x{len(self.device_names)}"
+        recompute = " ac" if self.activation_checkpointing else ""
+        return f"{layout} {self.precision} b{self.batch_size}{recompute}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["device_names"] = list(self.device_names)
+        data["label"] = self.label
+        return data
+
+
+def default_devices() -> str:
+    """What the multi-device strategies get when ``--devices`` is not given: every CUDA GPU,
+    else two CPU workers (gloo), which every machine can run."""
+    count = cuda_count()
+    return str(count) if count > 0 else "cpu,cpu"
+
+
+def default_precisions(device_type: str) -> list[str]:
+    """The precisions worth measuring on a device type: those it computes natively."""
+    if device_type == "cuda":
+        return ["32", "bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["32", "fp16"]
+    if device_type == "mps":
+        return ["32", "fp16"]
+    return ["32", "bf16"] if _cpu_has_native_bf16() else ["32"]
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def parse_strategy_list(text: str | None) -> list[str] | None:
+    """``a,b`` into registered names (``auto`` resolved here), or None for the default set."""
+    if text is None:
+        return None
+    names: list[str] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            raise UserError(f"--strategies {text!r} has an empty entry; write e.g. cpu,ddp")
+        if name == AUTO:
+            name = resolve_auto(None)
+        strategy_class(name)  # unknown names fail here, listing the valid ones
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def parse_precision_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    result: list[str] = []
+    for raw in text.split(","):
+        name = normalize_precision(raw.strip())
+        if name not in result:
+            result.append(name)
+    return result
+
+
+def parse_batch_sizes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    sizes: list[int] = []
+    for raw in text.split(","):
+        try:
+            size = int(raw.strip())
+        except ValueError:
+            raise UserError(f"--batch-sizes {text!r}: {raw.strip()!r} is not a number") from None
+        if size < 1:
+            raise UserError(f"--batch-sizes entries must be at least 1, got {size}")
+        if size not in sizes:
+            sizes.append(size)
+    return sizes
+
+
+def _build(name: str, devices: str) -> tuple[Strategy | None, str | None, str | None]:
+    """Build ``name`` for ``devices``: (strategy, the spec used, why it cannot run)."""
+    cls = strategy_class(name)
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        return None, None, reason
+    try:
+        return build_strategy(name, devices), devices, None
+    except UserError as exc:
+        if not issubclass(cls, SingleDeviceStrategy):
+            return None, None, str(exc)
+    # A one-device strategy is measured on its own device, whatever --devices lists.
+    try:
+        return build_strategy(name, None), None, None
+    except UserError as exc:
+        return None, None, str(exc)
+
+
+def enumerate_combos(
+    strategies: Sequence[str] | None,
+    precisions: Sequence[str] | None,
+    batch_sizes: Sequence[int],
+    devices: str | None,
+) -> list[Combo]:
+    """Every combination, in a stable order; the ones that cannot run carry a skip reason.
+
+    ``strategies=None`` means every registered strategy that can run here, except layouts
+    that only make sense as tests (see :func:`not_by_default`). ``precisions=None`` means
+    the ones native to each strategy's device.
+    """
+    spec = devices if devices is not None else default_devices()
+    explicit = strategies is not None
+    names = list(strategies) if strategies is not None else strategy_names(include_auto=False)
+    gpus, mps = cuda_count(), mps_available()
+    combos: list[Combo] = []
+    for name in names:
+        strategy, used_spec, reason = _build(name, spec)
+        if strategy is None:
+            # One row per strategy that cannot run here: its reason holds for every setting.
+            combos.append(Combo(name, "-", batch_sizes[0], spec, skip_reason=reason))
+            continue
+        root = strategy.root_device
+        if not explicit:
+            reason = not_by_default(name, strategy.devices, strategy.num_processes, gpus, mps)
+        if reason is not None:
+            combos.append(Combo(name, "-", batch_sizes[0], used_spec, skip_reason=reason))
+            continue
+        device_names = tuple(str(d) for d in strategy.devices)
+        chosen = list(precisions) if precisions is not None else default_precisions(root.type)
+        for precision in chosen:
+            precision_reason = _precision_reason(precision, strategy)
+            for batch in batch_sizes:
+                why = precision_reason
+                if why is None and batch < len(device_names):
+                    why = f"batch size {batch} is smaller than the {len(device_names)} devices"
+                combos.append(
+                    Combo(
+                        name,
+                        precision,
+                        batch,
+                        used_spec,
+                        device_names,
+                        strategy.num_processes,
+                        why,
+                    )
+                )
+    return combos
+
+
+def with_activation_checkpointing(combos: Sequence[Combo]) -> list[Combo]:
+    """Each measurable combination followed by the same with activation checkpointing,
+    where its strategy allows it: the time recomputing costs, the memory it saves."""
+    result: list[Combo] = []
+    for combo in combos:
+        result.append(combo)
+        if combo.skip_reason is None and strategy_class(
+            combo.strategy
+        ).allows_activation_checkpointing:
+            result.append(replace(combo, activation_checkpointing=True))
+    return result
+
+
+def not_by_default(
+    name: str,
+    devices: Sequence[torch.device],
+    processes: int,
+    cuda_devices: int,
+    mps: bool = False,
+) -> str | None:
+    """Why the default set leaves out strategy ``name`` on ``devices`` (run by ``processes``
+    processes) on a machine with ``cuda_devices`` CUDA GPUs (and MPS or not); None: measure it.
+
+    Left out: CPU layouts on a machine with a GPU; a layout for several devices (dp,
+    dp-balanced, ddp) on a machine with one CUDA GPU, where it runs on that GPU alone (the
+    cuda layout plus its own overhead); one process driving the same device twice (threads
+    sharing one CPU); fsdp and pipeline on CPU processes (:data:`MEMORY_LAYOUTS`). Each
+    stays measurable by naming it in ``--strategies``.
+    """
+    hint = "name it in --strategies to measure it"
+    if (cuda_devices > 0 or mps) and devices[0].type == "cpu":
+        return f"a CPU layout on a machine with a GPU; {hint}"
+    several = not issubclass(strategy_class(name), SingleDeviceStrategy)
+    if several and cuda_devices == 1 and devices[0].type == "cuda":
+        return (
+            "a layout for several GPUs on a machine with one, not a speed-up over cuda; "
+            "name it in --strategies to measure its code path (dp and dp-balanced with "
+            "--devices cuda:0,cuda:0 run two replicas on it)"
+        )
+    if processes == 1 and len(set(devices)) < len(devices):
+        return f"one process repeating a device is a test layout, not a speed-up; {hint}"
+    if name in MEMORY_LAYOUTS and devices[0].type == "cpu":
+        return (
+            f"on CPU processes {MEMORY_LAYOUTS[name]}: it cannot be faster than ddp on the "
+            f"same processes, it saves memory; {hint}"
+        )
+    return None
+
+
+#: layouts that trade speed for memory: the same work as ddp, more communication or idle
+#: stages. Where the CPU's processes share one machine's memory they cannot win (cut from
+#: the default set to keep it short); on GPUs they stay, memory is what they are for.
+MEMORY_LAYOUTS = {
+    "fsdp": "fsdp gathers every layer's parameters in each forward and backward",
+    "pipeline": "pipeline stages wait for each other (the bubble)",
+}
+
+
+def _precision_reason(precision: str, strategy: Strategy) -> str | None:
+    refused = strategy.precision_refused(precision)
+    if refused is not None:
+        return refused
+    for device in strategy.devices:
+        reason = precision_unavailable_reason(precision, device)
+        if reason is not None:
+            return reason
+    return None

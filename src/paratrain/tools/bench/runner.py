@@ -1,0 +1,276 @@
+"""Run every combination, each in a fresh worker process that stays for all its windows;
+the windows are interleaved, combination by combination, round by round."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from paratrain.tools.bench.combos import Combo, enumerate_combos, with_activation_checkpointing
+from paratrain.tools.bench.noise import (
+    MachineLoad,
+    clear_losers,
+    cores,
+    gpu_processes,
+    load_average,
+    load_sample,
+    within_noise,
+)
+from paratrain.tools.bench.process import WorkerProcess
+from paratrain.tools.bench.recommend import Candidate, Recommendation, recommend
+from paratrain.tools.bench.stats import spread, throughputs
+from paratrain.tools.bench.task import TaskSource, check_task
+from paratrain.tools.bench.worker import RunSpec
+
+
+@dataclass
+class BenchSettings:
+    source: TaskSource
+    strategies: list[str] | None = None
+    precisions: list[str] | None = None
+    batch_sizes: list[int] | None = None
+    devices: str | None = None
+    steps: int = 100
+    warmup: int = 5
+    repeats: int = 5
+    seed: int = 0
+    timeout: float = 600.0
+    #: two leaders within noise of each other get EXTRA_WINDOWS more windows each
+    retime: bool = True
+    #: also measure each combination with activation checkpointing
+    activation_checkpointing: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": asdict(self.source),
+            "strategies": self.strategies,
+            "precisions": self.precisions,
+            "batch_sizes": self.batch_sizes,
+            "devices": self.devices,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "repeats": self.repeats,
+            "seed": self.seed,
+            "timeout": self.timeout,
+            "retime": self.retime,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
+
+@dataclass
+class RunResult:
+    """One combination: its configuration, what happened, and every measurement."""
+
+    combo: Combo
+    status: str  # ok | oom | error | skipped
+    reason: str | None = None
+    spec: dict[str, Any] | None = None
+    seconds: list[float] = field(default_factory=list)
+    retimed_seconds: list[float] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)
+    gathered_bytes_per_step: int | None = None
+    runtime: dict[str, Any] | None = None
+    traceback: str | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)  # start/end of each process run
+    #: a clear loser (bench.noise.clear_losers): not timed after its first windows
+    stopped_early: bool = False
+    #: ``paratrain plan``'s peak per device for this combination (None: not planned)
+    predicted_peak_bytes: list[int] | None = None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.combo.batch_size
+
+    def samples_per_second(self) -> list[float]:
+        """Throughput of every timed window, first run and re-timing together."""
+        steps = int(self.spec["steps"]) if self.spec else 0
+        windows = self.seconds + self.retimed_seconds
+        return throughputs(windows, steps * self.samples_per_step)
+
+    def step_seconds(self) -> list[float]:
+        steps = int(self.spec["steps"]) if self.spec else 1
+        return [s / steps for s in self.seconds + self.retimed_seconds]
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.combo.label, self.status, self.samples_per_second())
+
+
+@dataclass
+class BenchReport:
+    settings: BenchSettings
+    results: list[RunResult]
+    recommendation: Recommendation
+    started_at: str
+    finished_at: str
+    wall_seconds: float
+    train_samples: int
+    arguments: dict[str, Any] = field(default_factory=dict)  # the command line, parsed
+    #: other work on the machine, looked at between runs
+    load: MachineLoad = field(default_factory=lambda: MachineLoad(cores()))
+
+
+#: called with (what is running now, how many steps of the bench are done, how many in all)
+ProgressFn = Callable[[str, int, int], None]
+#: a clear loser is stopped after this many windows at the earliest
+EARLIEST_STOP = 3
+#: windows added for the two leaders when their first ones are within noise of each other
+EXTRA_WINDOWS = 2
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
+    return RunSpec(
+        source=settings.source,
+        strategy=combo.strategy,
+        devices=combo.devices,
+        precision=combo.precision,
+        batch_size=combo.batch_size,
+        steps=settings.steps,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        seed=settings.seed,
+        activation_checkpointing=combo.activation_checkpointing,
+    )
+
+
+def _apply(result: RunResult, outcome: dict[str, Any]) -> None:
+    result.runs.append(outcome["run"])
+    result.status = outcome["status"]
+    result.reason = outcome.get("reason")
+    result.memory = outcome.get("memory", {})
+    result.traceback = outcome.get("traceback")
+    if outcome["status"] == "ok":
+        result.seconds = list(outcome["seconds"])
+        result.gathered_bytes_per_step = outcome.get("gathered_bytes_per_step")
+        result.runtime = outcome.get("runtime")
+        if not result.seconds:
+            result.status, result.reason = "error", "no window was timed"
+
+
+def _speeds(result: RunResult, steps: int) -> list[float]:
+    return throughputs(result.seconds, steps * result.combo.batch_size)
+
+
+class _Session:
+    """The workers of one bench and the progress count."""
+
+    def __init__(self, settings: BenchSettings, progress: ProgressFn | None, total: int):
+        self.settings, self.progress, self.total, self.done = settings, progress, total, 0
+        self.workers: dict[int, WorkerProcess] = {}
+
+    def say(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what, self.done, self.total)
+
+    def start(self, results: list[RunResult]) -> list[RunResult]:
+        """Start every worker, as many at a time as there are cores (starting is CPU work:
+        importing torch, building, warming up); the ones that got ready, in order."""
+        ready: list[RunResult] = []
+        at_once = max(1, cores())
+        for first in range(0, len(results), at_once):
+            group = results[first : first + at_once]
+            for result in group:
+                spec = _spec(self.settings, result.combo)
+                result.spec = spec.to_dict()
+                self.workers[id(result)] = WorkerProcess(
+                    spec, result.combo.processes, self.settings.timeout
+                )
+            for result in group:
+                self.say(f"starting {result.combo.label}")
+                if self.workers[id(result)].wait_ready():
+                    ready.append(result)
+                self.done += 1
+        return ready
+
+    def window(self, result: RunResult, label: str) -> bool:
+        self.say(label)
+        seconds = self.workers[id(result)].window()
+        self.done += 1
+        if seconds is None:
+            return False
+        result.seconds.append(seconds)
+        return True
+
+    def finish(self, results: list[RunResult]) -> None:
+        for result in results:
+            worker = self.workers.pop(id(result), None)
+            if worker is not None:
+                _apply(result, worker.finish())
+
+    def kill(self) -> None:
+        for worker in self.workers.values():
+            worker.kill()
+
+
+def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> BenchReport:
+    """Measure every combination: one worker process each, its windows interleaved with
+    the others' round by round; clear losers stop early, and two leaders within noise of
+    each other get ``EXTRA_WINDOWS`` more each before recommending."""
+    started_at, begin = _now(), time.perf_counter()
+    train_samples, batch_sizes = check_task(settings.source, settings.batch_sizes)
+    combos = enumerate_combos(
+        settings.strategies, settings.precisions, batch_sizes, settings.devices
+    )
+    if settings.activation_checkpointing:
+        combos = with_activation_checkpointing(combos)
+    results = [
+        RunResult(c, "skipped", c.skip_reason) if c.skip_reason else RunResult(c, "pending")
+        for c in combos
+    ]
+    pending = [r for r in results if r.status == "pending"]
+    averages, busy = [load_average()], [load_sample()]  # before any worker: others' work
+    session = _Session(settings, progress, len(pending) * (1 + settings.repeats))
+    try:
+        alive = session.start(pending)
+        busy.append(load_sample())  # the workers wait (they sleep): others' work
+        for round_ in range(settings.repeats):
+            shift = round_ % max(1, len(alive))  # nobody always goes first
+            for result in [*alive[shift:], *alive[:shift]]:
+                label = f"{result.combo.label} window {round_ + 1}/{settings.repeats}"
+                if not session.window(result, label):
+                    alive.remove(result)
+            busy.append(load_sample())
+            speeds = {r.combo.label: _speeds(r, settings.steps) for r in alive}
+            # from the third window on: two windows of a busy machine can mislead
+            early = EARLIEST_STOP <= round_ + 1 < settings.repeats
+            losers = clear_losers(speeds) if early else []
+            for result in [r for r in alive if r.combo.label in losers]:
+                result.stopped_early = True
+                alive.remove(result)
+                session.done += settings.repeats - round_ - 1  # the windows it skips
+        leaders = sorted(
+            alive, key=lambda r: spread(_speeds(r, settings.steps)).median, reverse=True
+        )[:2]
+        if settings.retime and len(leaders) == 2:
+            first, second = (spread(_speeds(r, settings.steps)) for r in leaders)
+            if within_noise(first, second):
+                session.total += EXTRA_WINDOWS * 2
+                for extra in range(EXTRA_WINDOWS):
+                    for result in leaders:
+                        session.window(result, f"{result.combo.label} extra window {extra + 1}")
+        session.say("stopping the workers")
+        session.finish(pending)
+    except BaseException:
+        session.kill()
+        raise
+    session.done = session.total
+    session.say("done")
+    averages.append(load_average())
+    load = MachineLoad(cores(), tuple(busy), tuple(averages), gpu_processes([os.getpid()]))
+    return BenchReport(
+        settings=settings,
+        results=results,
+        recommendation=recommend([r.candidate() for r in results], load.is_busy),
+        load=load,
+        started_at=started_at,
+        finished_at=_now(),
+        wall_seconds=time.perf_counter() - begin,
+        train_samples=train_samples,
+    )

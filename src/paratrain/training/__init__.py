@@ -1,0 +1,1 @@
+"""The training loop and its run files: config, recipes, run directories."""

@@ -1,0 +1,144 @@
+"""The output directory of a `paratrain train` run and its contract.
+
+metrics.jsonl      one JSON object per line: epoch, step, split, loss (+ accuracy)
+timings.jsonl      one JSON object per epoch: its seconds, eval_seconds, checkpoint_seconds
+model.safetensors  final weights, plain parameter names
+config.json        resolved configuration, devices, versions, status and summary
+checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.checkpoints.state)
+tensorboard/       TensorBoard event files (--tensorboard)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from paratrain.checkpoints.state.store import CHECKPOINTS, remove_checkpoints
+from paratrain.utils.atomic import atomic_write, atomic_write_text
+from paratrain.utils.errors import UserError
+from paratrain.version import __version__
+
+METRICS = "metrics.jsonl"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TIMINGS = "timings.jsonl"
+OWN_FILES = (METRICS, WEIGHTS, CONFIG, TIMINGS)
+TENSORBOARD = "tensorboard"
+
+
+def default_out(recipe: str) -> Path:
+    return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def read_status(directory: Path) -> str | None:
+    """``finished``, ``running`` (started, not finished) or None (no run there)."""
+    config = directory / CONFIG
+    if config.is_file():
+        try:
+            return str(json.loads(config.read_text(encoding="utf-8")).get("status", "running"))
+        except (OSError, ValueError):
+            return "running"
+    if any((directory / name).exists() for name in (WEIGHTS, METRICS, CHECKPOINTS)):
+        return "running"
+    return None
+
+
+def read_config(directory: Path) -> dict[str, Any] | None:
+    """The training configuration ``config.json`` records, or None (absent, unreadable)."""
+    try:
+        payload = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = payload.get("config") if isinstance(payload, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
+    """Check and create the run directory. Refuses, touching nothing, to reuse one that
+    already holds a run unless ``overwrite``; then only paratrain's own files go."""
+    directory = Path(out) if out is not None else default_out(recipe)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {directory} is a file, not a directory; choose another --out")
+    status = read_status(directory) if directory.is_dir() else None
+    if status is not None and not overwrite:
+        if status == "finished":
+            what, resume = "a finished run", f" (--resume {directory} --epochs N trains it further)"
+        else:
+            what, resume = "an unfinished run", f"; continue it with --resume {directory}"
+        raise UserError(
+            f"--out {directory} already holds {what}{resume}; pass --overwrite to replace it "
+            "or choose another --out"
+        )
+    if status is not None:
+        for name in OWN_FILES:
+            (directory / name).unlink(missing_ok=True)
+        remove_checkpoints(directory)
+        shutil.rmtree(directory / TENSORBOARD, ignore_errors=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create --out {directory}: {exc.strerror}") from None
+    return directory
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "paratrain": __version__,
+        "cuda": str(torch.version.cuda),
+    }
+
+
+def write_config(directory: Path, payload: dict[str, Any]) -> None:
+    atomic_write_text(directory / CONFIG, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+class MetricsWriter:
+    """Appends one JSON line per record and flushes it, so a crash loses at most one line.
+
+    ``keep_lines`` (a resumed run): first cut the file back to its first ``keep_lines``
+    lines, those written before the checkpoint the run continues from.
+    """
+
+    def __init__(self, path: Path, keep_lines: int | None = None) -> None:
+        if keep_lines is not None:
+            text = path.read_text(encoding="utf-8") if path.exists() else ""
+            kept = text.splitlines(keepends=True)[:keep_lines]
+            kept = [line for line in kept if line.endswith("\n")]  # not a half-written line
+            if len(kept) < keep_lines:  # never silently: the run's record has a gap
+                print(
+                    f"paratrain: note: {path} has {len(kept)} line(s), the checkpoint recorded "
+                    f"{keep_lines}: {keep_lines - len(kept)} line(s) were lost before this resume",
+                    file=sys.stderr,
+                )
+            if path.exists():
+                atomic_write(path, lambda tmp: _write_lines(tmp, kept))
+        self.lines = _count_lines(path)
+        self._handle: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record, sort_keys=True) + "\n")
+        self._handle.flush()
+        self.lines += 1
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _count_lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as handle:
+        return sum(1 for _ in handle)
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(lines), encoding="utf-8")

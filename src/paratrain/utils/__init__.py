@@ -1,0 +1,1 @@
+"""Small shared utilities: atomic writes, errors, FLOPs, peak memory."""
