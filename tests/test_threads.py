@@ -15,7 +15,7 @@ import torch
 
 import paratrain
 from paratrain.cli.main import main
-from paratrain.launching import threads
+from paratrain.launching import threads, wait_policy
 from paratrain.launching.threads import ThreadChoice, choose_for, choose_threads
 from paratrain.utils.errors import UserError
 
@@ -55,7 +55,7 @@ def test_the_count_never_follows_the_load(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
     seen = set()
     for busy in (0.0, 1.0, 3.0, 8.0):
-        monkeypatch.setattr(threads, "busy_cores", lambda *_, b=busy, **__: b)
+        monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, b=busy, **__: b)
         seen.add(choose_for(2))
     assert {c.threads for c in seen} == {2} and len(seen) == 1
 
@@ -84,7 +84,7 @@ def test_the_choice_reaches_a_child_through_its_environment(
 
 
 def test_busy_cores_reads_the_machine() -> None:
-    assert 0.0 <= threads.busy_cores(samples=2, interval=0.0) < 10_000
+    assert 0.0 <= wait_policy.busy_cores(samples=2, interval=0.0) < 10_000
     assert threads.usable_cores() >= 1
 
 
@@ -155,13 +155,13 @@ def test_the_same_command_gives_the_same_weights_whatever_the_load(
     for name in ("OMP_NUM_THREADS", threads.CHOSEN_VARIABLE):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    monkeypatch.setattr(threads, "busy_cores", lambda *_, **__: 0.0)
+    monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, **__: 0.0)
     quiet = _train(tmp_path / "quiet", 6)
     assert (quiet["threads"], quiet["source"]) == (2, "chosen")
     capsys.readouterr()
 
     waited = iter(range(0, 10_000, 10))  # the threads wait for a core all the time
-    monkeypatch.setattr(threads, "busy_cores", lambda *_, **__: 2.0)
+    monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, **__: 2.0)
     monkeypatch.setattr(threads, "run_delay_seconds", lambda: float(next(waited)))
     monkeypatch.setattr(threads.ContentionGuard, "INTERVAL", 0.0)
     assert _train(tmp_path / "busy", 6) == quiet
@@ -189,7 +189,6 @@ def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(
 
     from conftest import subprocess_env
 
-    from paratrain.launching import wait_policy
 
     for argv0, command in (("-m", True), ("/usr/bin/paratrain", True), ("train.py", False)):
         monkeypatch.setattr(sys, "argv", [argv0])

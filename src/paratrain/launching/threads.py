@@ -29,8 +29,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from paratrain.launching.wait_policy import busy_cores  # noqa: F401  (re-exported: bench reads the load)
-
 #: set by paratrain for the processes it starts: the thread count chosen for them
 CHOSEN_VARIABLE = "PARATRAIN_THREADS"
 #: why (one line), handed to the processes paratrain starts with the count

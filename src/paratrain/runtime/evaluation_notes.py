@@ -23,7 +23,7 @@ class EvaluationNotes:
         process sees only its part, so its sums are partial until all-reduced."""
         self.unreduced = True
         if not loader.evaluation:
-            self._tell(
+            self.tell(
                 "training-loader",
                 "a loader set up for training is iterated under torch.no_grad() (an "
                 f"evaluation?) by {self.shards} processes: each sees only its "
@@ -38,7 +38,7 @@ class EvaluationNotes:
 
     def before_print(self) -> None:
         if self.unreduced:
-            self._tell(
+            self.tell(
                 "unreduced-print",
                 f"rt.print after an evaluation loop with no rt.all_reduce since: what it "
                 f"prints was counted by the main process alone, on about 1/{self.shards} of "
@@ -46,7 +46,8 @@ class EvaluationNotes:
                 "rt.all_reduce(torch.tensor(correct)).item() (docs/porting.md)",
             )
 
-    def _tell(self, key: str, message: str) -> None:
+    def tell(self, key: str, message: str) -> None:
+        """Say ``message`` once per ``key``, on the main process."""
         if key not in self._told:
             self._told.add(key)
             self.collective.note(f"paratrain: note: {message}")

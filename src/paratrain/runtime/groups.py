@@ -31,7 +31,7 @@ class MethodGroups:
         notes = EvaluationNotes(rt.strategy.collective, rt.strategy.data_shards)
         collectives = RuntimeCollectives(rt, notes)
         return cls(
-            setup=RuntimeSetup(rt, collectives.agree_seed, notes.loop_started),
+            setup=RuntimeSetup(rt, collectives.agree_seed, notes.loop_started, notes.tell),
             step=TrainingStep(rt),
             collectives=collectives,
             stop=StopOnSignal(rt),

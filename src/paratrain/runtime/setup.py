@@ -32,11 +32,12 @@ class RuntimeSetup:
         rt: RuntimeView,
         agree_seed: Callable[[int], int],
         loop_started: Callable[[DeviceLoader], None],
+        tell: Callable[[str, str], None],
     ) -> None:
         self.rt = rt
         self.agree_seed = agree_seed
         self.loop_started = loop_started
-        self._oom_told = False
+        self.tell = tell  # a note said once, on the main process
 
     def model(
         self,
@@ -53,12 +54,12 @@ class RuntimeSetup:
                 f"strategy {strategy.name} computes the loss on every device: "
                 "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
             )
-        if rt.oom_refused is not None and not self._oom_told:
-            self._oom_told = True
-            strategy.collective.note(
-                "paratrain: note: --oom auto: out-of-memory recovery is not available under "
+        if rt.oom_refused is not None:
+            self.tell(
+                "oom",
+                "--oom auto: out-of-memory recovery is not available under "
                 f"--strategy {strategy.name} ({rt.oom_refused}); running out of memory stops "
-                "the run"
+                "the run",
             )
         if is_meta(model):  # built on the meta device: weights from the seed, part by part
             self._materialize(model)

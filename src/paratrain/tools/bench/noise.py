@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from paratrain.launching.threads import busy_cores, usable_cores
+from paratrain.launching.threads import usable_cores
+from paratrain.launching.wait_policy import busy_cores
 from paratrain.tools.bench.stats import Spread
 
 #: closer than this, two layouts are the same speed whatever the spread says: run-to-run
