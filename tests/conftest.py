@@ -28,6 +28,7 @@ from torch import nn
 import paratrain
 from paratrain.cli.main import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
+from paratrain.launching.wait_policy import BUSY_VARIABLE
 from paratrain.models import DigitsCNN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +76,12 @@ def clean_process_state() -> Iterator[None]:
     os.environ.update(saved)
 
 
+# The thread count follows the machine's load when a run starts (launching/threads.py): the
+# suite's runs see a quiet machine whatever else runs beside them, so that two runs of one
+# test choose alike; tests of that choice set the load they mean.
+os.environ[BUSY_VARIABLE] = "0"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_data_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Decoded CIFAR caches go to the test session's own folder, not the user's."""
@@ -88,7 +95,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         key: value
         for key, value in os.environ.items()
         if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        and (not key.startswith("PARATRAIN_") or key == CACHE_VARIABLE)
+        and (not key.startswith("PARATRAIN_") or key in (CACHE_VARIABLE, BUSY_VARIABLE))
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env

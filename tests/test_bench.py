@@ -376,3 +376,32 @@ def test_activation_checkpointing_adds_a_combination_where_the_strategy_allows_i
     settings = BenchSettings(TaskSource(recipe="digits"), activation_checkpointing=True)
     assert _spec(settings, doubled[1]).activation_checkpointing
     assert not _spec(settings, doubled[0]).activation_checkpointing
+
+
+def test_threads_are_a_dimension_on_cpu_layouts_at_equal_total_threads() -> None:
+    """``--devices cpu,cpu`` layouts on 2 cores: paratrain's count (cores / processes) for
+    each, one thread as well for one process; ``--threads`` lists the counts instead."""
+    from paratrain.tools.bench.combos import parse_thread_counts, with_thread_counts
+    from paratrain.tools.bench.runner import _spec
+
+    def chosen(processes: int) -> int:
+        return max(1, 2 // processes)
+
+    combos = enumerate_combos(["cpu", "ddp"], ["32"], [8], "cpu,cpu")
+    default = with_thread_counts(combos, None, chosen)
+    assert [c.label for c in default] == ["cpu 32 b8", "cpu 32 b8 t1", "ddpx2 32 b8"]
+    settings = BenchSettings(TaskSource(recipe="digits"))
+    spec_of = {c.label: _spec(settings, c) for c in default}
+    assert spec_of["cpu 32 b8 t1"].threads == 1
+    # the unlabelled ones get the count paratrain chooses here (as train would)
+    from paratrain.launching.threads import choose_for
+
+    assert spec_of["cpu 32 b8"].threads == choose_for(1).threads
+    assert spec_of["ddpx2 32 b8"].threads == choose_for(2).threads
+
+    asked = with_thread_counts(combos, parse_thread_counts("2,1,2"), chosen)
+    assert [c.label for c in asked] == [
+        "cpu 32 b8 t2", "cpu 32 b8 t1", "ddpx2 32 b8 t2", "ddpx2 32 b8 t1"
+    ]  # fmt: skip
+    assert with_thread_counts(combos, None, lambda _: 1) == combos  # one core: nothing to add
+    assert parse_thread_counts(None) is None

@@ -54,13 +54,16 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
     out = tmp_path / "bench"
     argv = ["--strategies", "cpu,ddp", "--devices", "cpu,cpu", "--precisions", "32"]
     argv += ["--steps", "3", "--warmup", "1", "--repeats", "2", "--out", str(out)]
-    code, stdout, _ = bench(capsys, *argv)
+    code, stdout, _ = bench(capsys, *argv, "--threads", "1")
     assert code == 0, stdout
     data = json.loads((out / "bench.json").read_text())
     results = {r["label"]: r for r in data["results"]}
-    assert set(results) == {"cpu 32 b32", "ddpx2 32 b32"}
-    cpu, ddp = results["cpu 32 b32"], results["ddpx2 32 b32"]
+    assert set(results) == {"cpu 32 b32 t1", "ddpx2 32 b32 t1"}
+    cpu, ddp = results["cpu 32 b32 t1"], results["ddpx2 32 b32 t1"]
     assert cpu["status"] == ddp["status"] == "ok"
+    for result in (cpu, ddp):  # as asked, in every process
+        assert result["config"]["threads"] == 1
+        assert result["runtime"]["threads"]["threads"] == 1
     assert ddp["runtime"]["world_size"] == 2 and ddp["runtime"]["strategy"] == "ddp"
     assert [h["rank"] for h in ddp["memory"]["host"]] == [0, 1]  # every process's peak RSS
     assert all(h["peak_rss_bytes"] > 0 for h in ddp["memory"]["host"])
@@ -79,10 +82,10 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
     assert data["recommendation"]["winner"] in results
     assert data["settings"]["strategies"] == ["cpu", "ddp"]
     assert (out / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
-    assert "recommendation:" in stdout and "ddpx2 32 b32" in stdout
+    assert "recommendation:" in stdout and "ddpx2 32 b32 t1" in stdout
 
     before = (out / "bench.json").read_bytes()
-    code, _, err = bench(capsys, *argv)
+    code, _, err = bench(capsys, *argv, "--threads", "1")
     assert code == 2 and "--overwrite" in err
     assert (out / "bench.json").read_bytes() == before
 
@@ -155,6 +158,9 @@ def test_a_broken_script_is_a_user_error_before_any_run(
 def test_bad_options_are_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = bench(capsys, "--steps", "0", "--out", str(tmp_path))
     assert code == 2 and "--steps must be at least 1" in err
+    for bad, message in (("0", "at least 1, got 0"), ("1,x", "'x' is not a number")):
+        code, _, err = bench(capsys, "--threads", bad, "--out", str(tmp_path))
+        assert code == 2 and "--threads" in err and message in err, err
     code, _, err = bench(capsys, "--batch-sizes", "5000", "--out", str(tmp_path))
     assert code == 2 and "larger than the 1437 training samples" in err
     code, _, err = bench(capsys, "--recipe", "digits", "--script", "x.py:f")

@@ -48,16 +48,43 @@ def test_threads_are_the_cores_divided_by_the_processes(
     assert f"{expected} thread(s)" in choice.reason
 
 
-def test_the_count_never_follows_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The load would change the count, and another count sums in another order."""
+@pytest.mark.parametrize(
+    ("cores", "processes", "busy", "expected"),
+    [
+        (2, 1, 0.0, 2),
+        (2, 1, 0.9, 2),  # whole cores: a core is busy from 1.0
+        (2, 1, 1.0, 1),  # one free core: one thread alone on it
+        (2, 1, 5.0, 1),  # at least one
+        (4, 2, 1.0, 1),  # 3 free cores / 2 processes
+        (16, 2, 2.0, 7),
+    ],
+)
+def test_the_count_leaves_busy_cores_to_other_work(
+    cores: int, processes: int, busy: float, expected: int
+) -> None:
+    choice = choose_threads(cores, processes, busy=busy)
+    assert (choice.threads, choice.source) == (expected, "chosen")
+    assert ("busy with other work" in choice.reason) is (busy >= 1.0)
+    assert choose_threads(cores, processes, requested=3, busy=busy).threads == 3
+    assert choose_threads(cores, processes, inherited="3", busy=busy).threads == 3
+
+
+def test_the_load_is_looked_at_unless_the_count_is_pinned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for name in ("OMP_NUM_THREADS", threads.CHOSEN_VARIABLE):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
-    seen = set()
-    for busy in (0.0, 1.0, 3.0, 8.0):
-        monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, b=busy, **__: b)
-        seen.add(choose_for(2))
-    assert {c.threads for c in seen} == {2} and len(seen) == 1
+    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "2")
+    assert choose_for(1).threads == 2
+    assert choose_for(1, follow_load=False).threads == 4  # --deterministic
+    note = threads.load_note(choose_for(1), 1)
+    assert note is not None and "2 intra-op thread(s) per process instead of 4" in note
+    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "0")
+    assert choose_for(1).threads == 4 and threads.load_note(choose_for(1), 1) is None
+    monkeypatch.delenv(wait_policy.BUSY_VARIABLE)
+    monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, **__: 3.0)  # the real look
+    assert choose_for(2).threads == 1
 
 
 def test_an_explicit_count_wins_then_the_users_environment() -> None:
@@ -146,36 +173,50 @@ def _train(out: Path, steps: int, *extra: str) -> dict[str, Any]:
     return dict(json.loads((out / "config.json").read_text())["runtime"]["threads"])
 
 
-def test_the_same_command_gives_the_same_weights_whatever_the_load(
+def test_a_busy_machine_gets_fewer_threads_recorded_and_kept_on_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--strategy cpu`` on 2 cores (simulated, as is the load): a quiet run, a run beside
-    other work that takes the cores before and during training, and a run stopped halfway
-    then resumed where only one core is left all train with 2 threads, bit for bit alike."""
+    """``--strategy cpu`` on 2 cores (simulated, as is the load). A run started beside other
+    work takes the free core alone (one thread), says so once and records it; resumed on a
+    quiet machine it keeps its one thread, bit for bit the run it continues. Work that
+    starts during a run is said once and changes nothing. ``--deterministic`` keeps the
+    quiet machine's count whatever the load."""
     for name in ("OMP_NUM_THREADS", threads.CHOSEN_VARIABLE):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, **__: 0.0)
     quiet = _train(tmp_path / "quiet", 6)
     assert (quiet["threads"], quiet["source"]) == (2, "chosen")
-    capsys.readouterr()
+    assert "instead of" not in capsys.readouterr().err
 
-    waited = iter(range(0, 10_000, 10))  # the threads wait for a core all the time
-    monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, **__: 2.0)
+    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "1")
+    busy = _train(tmp_path / "busy", 6)
+    assert busy["threads"] == 1 and "1 busy with other work" in busy["reason"]
+    note = capsys.readouterr().err
+    assert note.count("1 intra-op thread(s) per process instead of 2") == 1, note
+    pinned = _train(tmp_path / "pinned", 6, "--deterministic")
+    assert pinned["threads"] == 2
+    assert (tmp_path / "pinned" / "model.safetensors").read_bytes() == (
+        tmp_path / "quiet" / "model.safetensors"
+    ).read_bytes()
+
+    _train(tmp_path / "resumed", 3)  # still busy: one thread, recorded
+    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "0")  # quiet again for the resume
+    waited = iter(range(0, 10_000, 10))  # ... until other work takes the cores mid-run
     monkeypatch.setattr(threads, "run_delay_seconds", lambda: float(next(waited)))
     monkeypatch.setattr(threads.ContentionGuard, "INTERVAL", 0.0)
-    assert _train(tmp_path / "busy", 6) == quiet
-    note = capsys.readouterr().err
-    assert "this run keeps its 2 intra-op threads" in note and note.count("cores busy") == 1
-
-    _train(tmp_path / "resumed", 3)
-    monkeypatch.setattr(threads, "usable_cores", lambda: 1)  # resumed on a smaller machine
+    capsys.readouterr()
     assert main(["train", "--resume", str(tmp_path / "resumed"), "--max-steps", "6"]) == 0
     config = json.loads((tmp_path / "resumed" / "config.json").read_text())
-    assert config["runtime"]["threads"]["threads"] == 2 and config["config"]["threads"] == 2
-    weights = (tmp_path / "quiet" / "model.safetensors").read_bytes()
-    for run in ("busy", "resumed"):
-        assert (tmp_path / run / "model.safetensors").read_bytes() == weights, run
+    assert config["runtime"]["threads"]["threads"] == 1 and config["config"]["threads"] == 1
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (
+        tmp_path / "busy" / "model.safetensors"
+    ).read_bytes()
+    assert capsys.readouterr().err.count("cores busy") == 0  # one thread: nothing to wait on
+
+    monkeypatch.setattr(threads, "run_delay_seconds", lambda: float(next(waited)))
+    _train(tmp_path / "later", 6)
+    later = capsys.readouterr().err
+    assert later.count("since this run started: it keeps its 2 intra-op threads") == 1, later
 
 
 def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(

@@ -3,18 +3,21 @@
 Left alone, torch gives every process one OpenMP thread per core, and OpenMP's threads
 spin while they wait. With one other busy process on the machine a spinning thread waits
 for a core it does not have, and a small model trains ~100x slower (2 cores, digits:
-108 samples/s instead of ~11,000). So paratrain chooses:
+108 samples/s instead of ~11,000). So paratrain chooses, once, when a run starts:
 
-* the cores this process may use, divided by the processes of the run, never more. Not
-  the machine's load: a different thread count sums in another order (the weights' last
-  bits differ, ~1e-7), so a count that followed the load would make the same command
-  give different weights on a busy and on a quiet machine. The count is fixed for the
-  whole run, recorded in ``config.json``, and a resumed run uses the recorded count;
+* the cores this process may use, less those other work keeps busy at that moment,
+  divided by the processes of the run (at least one thread each, never more than the
+  cores allow). Two threads sharing one free core with another program keep ~40% of their
+  speed; one thread alone on it keeps ~70%. A different count sums in another order (the
+  weights' last bits may differ), so the count is fixed for the whole run, recorded in
+  ``config.json``, said on stderr when the load changed it, and a resumed run uses the
+  recorded count; ``--deterministic`` (or ``--threads``) keeps it independent of the load;
 * ``OMP_WAIT_POLICY=PASSIVE`` for the processes it starts (read by OpenMP when torch is
-  imported): a waiting thread sleeps instead of spinning, so a machine that is or gets busy
-  costs a few times, not a hundred. The process ``paratrain`` itself runs in sleeps too
-  where the machine is busy when the command starts, and spins (fastest) where it is quiet
-  (:mod:`paratrain.launching.wait_policy`: the policy changes the speed, never the weights).
+  imported): a waiting thread sleeps instead of spinning, so a machine that gets busy
+  later costs a few times, not a hundred. The process ``paratrain`` itself runs in sleeps
+  too where the machine is busy when the command starts, and spins (fastest) where it is
+  quiet (:mod:`paratrain.launching.wait_policy`: the policy changes the speed, never the
+  weights).
 
 An explicit choice wins: ``threads`` (``--threads``, ``Runtime(threads=...)``), then
 ``OMP_NUM_THREADS`` set by the user.
@@ -28,6 +31,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from paratrain.launching import wait_policy
 
 #: set by paratrain for the processes it starts: the thread count chosen for them
 CHOSEN_VARIABLE = "PARATRAIN_THREADS"
@@ -82,9 +87,10 @@ def choose_threads(
     processes: int,
     requested: int | None = None,
     inherited: str | None = None,
+    busy: float = 0.0,
 ) -> ThreadChoice:
-    """The thread count for each of ``processes`` processes on ``cores`` usable cores (a
-    pure function of the machine's cores and the run's layout, never of the load).
+    """The thread count for each of ``processes`` processes on ``cores`` usable cores, of
+    which other work keeps ``busy`` busy (whole cores count: a core is busy from 1.0).
 
     ``requested``: an explicit count (wins); ``inherited``: ``OMP_NUM_THREADS`` as the user
     set it (wins over the choice when it is a positive integer).
@@ -95,9 +101,34 @@ def choose_threads(
     if inherited is not None and inherited.strip().isdigit() and int(inherited) > 0:
         count = int(inherited)
         return ThreadChoice(count, PASSIVE, "OMP_NUM_THREADS", f"OMP_NUM_THREADS={count}")
-    threads = max(1, cores // processes)
-    reason = f"{cores} cores / {processes} process(es): {threads} thread(s) each"
+    taken = min(int(max(0.0, busy)), cores - 1)  # at least one core stays ours
+    threads = max(1, (cores - taken) // processes)
+    if taken:
+        reason = (
+            f"{cores} cores, {taken} busy with other work when the run started / "
+            f"{processes} process(es): {threads} thread(s) each"
+        )
+    else:
+        reason = f"{cores} cores / {processes} process(es): {threads} thread(s) each"
     return ThreadChoice(threads, PASSIVE, "chosen", reason)
+
+
+def follows_the_load(choice: ThreadChoice, processes: int) -> bool:
+    """Whether the load made ``choice`` smaller than a quiet machine's count."""
+    quiet = choose_threads(usable_cores(), processes)
+    return choice.source == "chosen" and choice.threads < quiet.threads
+
+
+def load_note(choice: ThreadChoice, processes: int) -> str | None:
+    """One line for stderr where the load lowered the count (else None)."""
+    if not follows_the_load(choice, processes):
+        return None
+    quiet = choose_threads(usable_cores(), processes).threads
+    return (
+        f"other work keeps cores busy: {choice.threads} intra-op thread(s) per process "
+        f"instead of {quiet} ({choice.reason}; recorded in config.json, and a resume keeps "
+        f"it); --threads {quiet} or --deterministic uses the quiet machine's count"
+    )
 
 
 def usable_cores() -> int:
@@ -118,13 +149,19 @@ def inherited_choice() -> ThreadChoice | None:
     return ThreadChoice(int(chosen), policy, "chosen", reason)
 
 
-def choose_for(processes: int, requested: int | None = None) -> ThreadChoice:
-    """The choice for a run of ``processes`` processes started from this one."""
+def choose_for(
+    processes: int, requested: int | None = None, follow_load: bool = True
+) -> ThreadChoice:
+    """The choice for a run of ``processes`` processes started from this one; where
+    ``follow_load``, the cores other work keeps busy now are left to it."""
     inherited = inherited_choice()
     if requested is None and inherited is not None:
         return inherited
     given = os.environ.get("OMP_NUM_THREADS")
-    choice = choose_threads(usable_cores(), processes, requested, given)
+    busy = 0.0
+    if follow_load and requested is None and not given:
+        busy = wait_policy.busy_at_start()
+    choice = choose_threads(usable_cores(), processes, requested, given, busy)
     policy = os.environ.get("OMP_WAIT_POLICY")
     return dataclasses.replace(choice, wait_policy=policy) if policy else choice
 
@@ -152,9 +189,9 @@ def run_delay_seconds() -> float | None:
 class ContentionGuard:
     """Says once, on stderr, when this process's threads keep waiting for cores (other
     work that started after the run: an indexer, a test suite), checked every
-    ``interval`` seconds. It never changes the thread count: one thread sums in another
-    order, and the weights would then depend on when the machine got busy. Sleeping
-    waiters (``OMP_WAIT_POLICY=PASSIVE``) keep such a run from collapsing."""
+    ``interval`` seconds. It never changes the thread count during a run: another count
+    sums in another order, and the weights would then depend on when the machine got
+    busy. Sleeping waiters (``OMP_WAIT_POLICY=PASSIVE``) keep such a run from collapsing."""
 
     #: share of the time a thread waited for a core, above which the cores are contended
     THRESHOLD = 0.25
@@ -185,7 +222,7 @@ class ContentionGuard:
         self._delay = None  # said once
         return (
             f"other work keeps this machine's cores busy (threads waited {waited:.0%} of the "
-            f"time for one): this run keeps its {self.threads} intra-op threads so that its "
-            "weights do not depend on the machine's load; --threads 1 trains faster beside "
-            "other work (its last bits differ from a run at another count)"
+            f"time for one) since this run started: it keeps its {self.threads} intra-op "
+            "threads, so that its weights do not depend on when the machine got busy; a run "
+            "started now would choose fewer (--threads 1 trains faster beside other work)"
         )

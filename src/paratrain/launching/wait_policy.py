@@ -6,8 +6,8 @@ when torch is imported, and `paratrain train --strategy cpu` trains in this very
 Threads that spin while they wait are the fastest on a quiet machine (digits on 2 cores:
 about 1.5x the samples/s of sleeping ones), and beside other busy processes they wait for a
 core they do not have (about 3x slower than sleeping ones, 100x in the worst case). The
-policy changes how fast a run is, never what it computes (the thread count does, and it
-does not follow the load: see :mod:`paratrain.launching.threads`), so it may follow the load: where
+policy changes how fast a run is, never what it computes (the thread count does: see
+:mod:`paratrain.launching.threads`, which reads the same look), so it follows the load: where
 other work keeps a core busy when the command starts, ``OMP_WAIT_POLICY=PASSIVE``;
 otherwise OpenMP's default. Only the command line (``paratrain ...``, ``python -m
 paratrain``): a script that imports paratrain keeps its own setting. A policy the user set
@@ -59,12 +59,25 @@ def policy_for(busy: float) -> str | None:
     return PASSIVE if busy >= 1.0 else None
 
 
-def _busy_now() -> float:
+def busy_now() -> float:
+    """Cores other work keeps busy now (``PARATRAIN_TEST_BUSY_CORES`` stands in for the
+    machine in tests)."""
     given = os.environ.get(BUSY_VARIABLE)
     return float(given) if given else busy_cores(samples=3, interval=0.005)
 
 
-if is_the_command() and "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
-    _policy = policy_for(_busy_now())
-    if _policy is not None:
+#: what the command saw when it started (None: not the command, or not looked yet)
+_at_start: float | None = None
+
+
+def busy_at_start() -> float:
+    """Cores other work kept busy when this command started (its own work not yet
+    running), else now: what the thread count of a run started here leaves to others."""
+    return _at_start if _at_start is not None else busy_now()
+
+
+if is_the_command() and "torch" not in sys.modules:
+    _at_start = busy_now()
+    _policy = policy_for(_at_start)
+    if _policy is not None and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = _policy

@@ -59,7 +59,7 @@ class RuntimeParts:
 def assemble(config: RuntimeConfig) -> RuntimeParts:
     """Build the parts of a runtime; refuses settings the strategy cannot apply."""
     strategy = build_strategy(config.strategy, config.devices, config.options)
-    threads = choose_for(strategy.num_processes, config.threads)
+    threads = choose_for(strategy.num_processes, config.threads, not config.deterministic)
     if strategy.num_processes == 1 or launched():  # before torch's pools start
         apply_here(threads)
         # what this process has: OpenMP read the wait policy when torch was imported

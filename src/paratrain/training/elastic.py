@@ -59,7 +59,7 @@ def start_agent(cfg: TrainConfig, nodes: Nodes) -> int:
     cfg.strategy = strategy.name
     env = {CONFIG_VARIABLE: json.dumps(cfg.to_dict())}
     # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
-    threads = choose_for(strategy.num_processes, cfg.threads)
+    threads = choose_for(strategy.num_processes, cfg.threads, not cfg.deterministic)
     env.update(threads.child_environment())
     say_note(started_note(threads, strategy.num_processes))
     run_agent(

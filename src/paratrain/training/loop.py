@@ -26,7 +26,7 @@ from paratrain.checkpoints.state import (
 from paratrain.checkpoints.state.store import checkpoint_name
 from paratrain.checkpoints.weights import unwrap_model
 from paratrain.data.loaders import DeviceLoader
-from paratrain.launching.threads import ContentionGuard
+from paratrain.launching.threads import ContentionGuard, load_note
 from paratrain.runtime.facade import Runtime
 from paratrain.training import rundir
 from paratrain.training.config import TrainConfig
@@ -185,6 +185,8 @@ def train(
     profiler = StepProfiler(directory, cfg.profile, rt.rank)
     # other work that starts later is said once; the thread count stays (threads.py)
     contention = ContentionGuard(torch.get_num_threads() if rt.threads.source == "chosen" else 1)
+    if rt.world_size == 1 and (note := load_note(rt.threads, 1)) is not None:
+        print(f"paratrain: note: {note}", file=sys.stderr, flush=True)  # launchers say theirs
     rt.nonfinite.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)

@@ -42,6 +42,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--repeats", type=int, default=5, help="timed windows per combination (default 5)"
     )
+    p.add_argument(
+        "--threads",
+        metavar="N[,N...]",
+        help="intra-op threads per process to measure on CPU layouts (default: the count "
+        "paratrain chooses, and 1 for one process)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the model and data (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     p.add_argument("--out", help="output directory; default runs/bench-<name>-<timestamp>")
@@ -107,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         parse_batch_sizes,
         parse_precision_list,
         parse_strategy_list,
+        parse_thread_counts,
     )
     from paratrain.tools.bench.runner import BenchSettings
 
@@ -131,6 +138,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         timeout=args.timeout,
         activation_checkpointing=args.activation_checkpointing,
+        threads=parse_thread_counts(args.threads),
     )
 
 

@@ -7,7 +7,7 @@ what was left out instead of silently measuring less.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -34,6 +34,8 @@ class Combo:
     skip_reason: str | None = None
     #: each block recomputes its activations in the backward (bench --activation-checkpointing)
     activation_checkpointing: bool = False
+    #: intra-op threads of each process where not the count paratrain chooses (bench --threads)
+    threads: int | None = None
 
     @property
     def label(self) -> str:
@@ -43,7 +45,13 @@ class Combo:
         if len(self.device_names) > 1:
             layout += f"x{len(self.device_names)}"
         recompute = " ac" if self.activation_checkpointing else ""
-        return f"{layout} {self.precision} b{self.batch_size}{recompute}"
+        threads = f" t{self.threads}" if self.threads is not None else ""
+        return f"{layout} {self.precision} b{self.batch_size}{recompute}{threads}"
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether every device is a CPU: its intra-op threads set its speed."""
+        return bool(self.device_names) and all(d == "cpu" for d in self.device_names)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -198,6 +206,49 @@ def with_activation_checkpointing(combos: Sequence[Combo]) -> list[Combo]:
             combo.strategy
         ).allows_activation_checkpointing:
             result.append(replace(combo, activation_checkpointing=True))
+    return result
+
+
+def parse_thread_counts(text: str | None) -> list[int] | None:
+    """``--threads 1,2`` into counts, or None for the default (see :func:`with_thread_counts`)."""
+    if text is None:
+        return None
+    counts: list[int] = []
+    for raw in text.split(","):
+        try:
+            count = int(raw.strip())
+        except ValueError:
+            raise UserError(f"--threads {text!r}: {raw.strip()!r} is not a number") from None
+        if count < 1:
+            raise UserError(f"--threads entries must be at least 1, got {count}")
+        if count not in counts:
+            counts.append(count)
+    return counts
+
+
+def with_thread_counts(
+    combos: Sequence[Combo], counts: Sequence[int] | None, chosen: Callable[[int], int]
+) -> list[Combo]:
+    """Each measurable CPU combination once per intra-op thread count of ``counts`` (per
+    process, labelled ``tN``).
+
+    ``counts=None``: the count paratrain chooses (``chosen(processes)``, unlabelled), and one
+    thread as well (``t1``) for a single process that would get several: the two settings a
+    CPU user picks between (one thread is slower on a quiet machine, the fastest beside
+    other work). Layouts compare at equal total threads: cores / processes each.
+    Combinations on GPUs run as they are: their threads only feed the device.
+    """
+    result: list[Combo] = []
+    for combo in combos:
+        if combo.skip_reason is not None or not combo.on_cpu:
+            result.append(combo)
+            continue
+        if counts is not None:  # asked for: each labelled with its count
+            result.extend(replace(combo, threads=count) for count in counts)
+            continue
+        result.append(combo)
+        if combo.processes == 1 and chosen(combo.processes) > 1:
+            result.append(replace(combo, threads=1))
     return result
 
 

@@ -55,8 +55,6 @@ class WorkerProcess:
         # A bench started inside a launched group must not make its workers think they are
         # ranks of that group.
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        # set before the worker imports torch; its runtime chooses the thread count
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # A session of its own: on a timeout the whole group (launched ranks too) is ended.
         # stderr to a file: a pipe nobody reads while the worker waits could fill and block it
         self._stderr = self._tmp / "stderr.txt"

@@ -180,7 +180,7 @@ def print_report(report: BenchReport, console: Console) -> None:
         "predicted: paratrain plan's peak per device (tensors only: a CPU process's RSS also "
         "holds Python, torch and the data); state/proc: parameters + gradients + optimizer "
         "state of one process (fsdp: its shards); gathered: bytes brought to the first device "
-        "per step; ac: with --activation-checkpointing",
+        "per step; ac: with --activation-checkpointing; tN: with --threads N",
         style="dim",
     )
     for line in notes(report):

@@ -10,7 +10,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from paratrain.tools.bench.combos import Combo, enumerate_combos, with_activation_checkpointing
+from paratrain.launching.threads import choose_for
+from paratrain.tools.bench.combos import (
+    Combo,
+    enumerate_combos,
+    with_activation_checkpointing,
+    with_thread_counts,
+)
 from paratrain.tools.bench.noise import (
     MachineLoad,
     clear_losers,
@@ -43,6 +49,8 @@ class BenchSettings:
     retime: bool = True
     #: also measure each combination with activation checkpointing
     activation_checkpointing: bool = False
+    #: intra-op thread counts per process to measure on CPU layouts (None: combos.py's)
+    threads: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +66,7 @@ class BenchSettings:
             "timeout": self.timeout,
             "retime": self.retime,
             "activation_checkpointing": self.activation_checkpointing,
+            "threads": self.threads,
         }
 
 
@@ -125,7 +134,15 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def chosen_threads(processes: int) -> int:
+    """The count paratrain chooses for each of ``processes`` processes, as ``train`` would
+    here: the load it follows is the one the bench command saw when it started, before its
+    workers loaded the machine."""
+    return choose_for(processes).threads
+
+
 def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
+    threads = combo.threads if combo.threads is not None else chosen_threads(combo.processes)
     return RunSpec(
         source=settings.source,
         strategy=combo.strategy,
@@ -137,6 +154,7 @@ def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
         repeats=settings.repeats,
         seed=settings.seed,
         activation_checkpointing=combo.activation_checkpointing,
+        threads=threads,
     )
 
 
@@ -218,6 +236,7 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     combos = enumerate_combos(
         settings.strategies, settings.precisions, batch_sizes, settings.devices
     )
+    combos = with_thread_counts(combos, settings.threads, chosen_threads)
     if settings.activation_checkpointing:
         combos = with_activation_checkpointing(combos)
     results = [

@@ -54,6 +54,9 @@ class RunSpec:
     repeats: int
     seed: int = 0
     activation_checkpointing: bool = False
+    #: intra-op threads of each process (chosen by the bench, which sees the machine before
+    #: its workers load it); None: the worker's runtime chooses
+    threads: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,6 +197,7 @@ def main(argv: list[str]) -> int:
             spec.precision,
             seed=spec.seed,
             activation_checkpointing=spec.activation_checkpointing,
+            threads=spec.threads,
         )
         rt.launch(measure_in_process, spec, str(out_dir))
     except Exception as exc:
