@@ -3,8 +3,9 @@
     python benchmarks/threads.py [--steps 300] [--repeats 3] [--competitors 1]
 
 Runs ``paratrain train --strategy cpu`` (digits) in fresh processes, with the threads
-paratrain chooses (default), one thread, and every core with OpenMP's default wait policy
-(torch's own default, what paratrain did before it chose), each without and with
+paratrain chooses (default: the free cores when the run starts), with ``--deterministic``
+(every core, whatever the load), one thread, and every core with OpenMP's default wait
+policy (torch's own default, what paratrain did before it chose), each without and with
 ``--competitors`` CPU-bound processes this script starts itself. The settings are
 interleaved, repeat by repeat, so that a change in the machine's load touches them all
 alike. Prints samples/s (median and range) and the contended/quiet ratio of each setting;
@@ -35,6 +36,10 @@ from pathlib import Path
 #: setting name -> (extra train arguments, environment changes; None removes a variable)
 SETTINGS: dict[str, tuple[list[str], dict[str, str | None]]] = {
     "paratrain default": ([], {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None}),
+    "--deterministic (the quiet count)": (
+        ["--deterministic"],
+        {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None},
+    ),
     "OMP_NUM_THREADS=1": ([], {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": None}),
     "all cores, spinning (torch default)": (
         ["--threads", str(os.cpu_count() or 1)],
@@ -106,7 +111,7 @@ def main() -> None:
         f"digits, {args.steps} steps, {args.repeats} repeats, interleaved"
     )
     figures: dict[tuple[str, bool], list[float]] = {}
-    digests: dict[str, set[str]] = {}
+    digests: dict[tuple[str, bool], set[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for contended in (False, True):
@@ -118,7 +123,7 @@ def main() -> None:
                             )
                     else:
                         speed, digest = train_once(setting, args.steps, f"{tmp}/run", args.timeout)
-                    digests.setdefault(setting, set()).add(digest)
+                    digests.setdefault((setting, contended), set()).add(digest)
                     figures.setdefault((setting, contended), []).append(speed)
                     state = "contended" if contended else "quiet"
                     print(f"  repeat {repeat + 1}: {setting}, {state}: {speed:,.0f} samples/s")
@@ -134,12 +139,14 @@ def main() -> None:
         f"competitor(s) (goal >= 50%); quiet {default_quiet / best_quiet:.0%} of the best "
         "setting's (goal >= 90%)"
     )
-    for setting, seen in digests.items():  # the load must not reach the weights
-        finished = seen - {""}  # "": a run that timed out
-        same = {0: "no run finished", 1: "bit-identical"}.get(
-            len(finished), f"{len(finished)} different"
+    # which runs ended with the same weights: a letter per distinct final weights
+    names: dict[str, str] = {}
+    for (setting, contended), seen in digests.items():
+        letters = "".join(
+            sorted(names.setdefault(d, "ABCDEFGHIJ"[len(names) % 10]) for d in seen if d)
         )
-        print(f"{setting}: final weights of every run, quiet and contended: {same}")
+        state = "contended" if contended else "quiet"
+        print(f"weights {letters or '-':4} {setting}, {state}")
 
 
 def ratio_of(figures: dict[tuple[str, bool], list[float]]) -> float:

@@ -70,7 +70,8 @@ class Runtime:
         loaders draw their order from them as torch's DataLoader does; an int seeds Python,
         NumPy and torch with it, and loaders shuffle with their own generator seeded with
         ``seed + epoch`` (see :mod:`paratrain.data.loaders`).
-        ``deterministic``: reproducible on GPUs (see :mod:`paratrain.runtime.determinism`);
+        ``deterministic``: reproducible on GPUs, and the CPU thread count of a quiet machine
+        whatever the load (see :mod:`paratrain.runtime.determinism`);
         ``compile``: True, or a torch.compile mode (see :mod:`paratrain.runtime.compiling`);
         ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
         (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.runtime.speed`; ``fsdp_blocks``: class
@@ -79,7 +80,7 @@ class Runtime:
         (the modules that start stages 2, 3, ...; default: balanced by parameter count),
         ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
         :mod:`paratrain.strategies.pipeline`; ``threads``: intra-op threads of each
-        process (default: chosen for the cores and the load, see
+        process (default: the cores other work leaves free when it starts, see
         :mod:`paratrain.launching.threads`);
         ``oom="auto"``: a micro-batch that runs out of memory in ``rt.forward_backward`` is
         redone in smaller pieces, the same step (see :mod:`paratrain.runtime.oom`);

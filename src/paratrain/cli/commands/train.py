@@ -66,14 +66,16 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="reproducible on GPUs: deterministic algorithms, no TF32 (slower)",
+        help="the same weights run after run: deterministic GPU algorithms, no TF32, and "
+        "the quiet machine's CPU thread count whatever the load (slower)",
     )
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument(
         "--threads",
         type=int,
         metavar="N",
-        help="intra-op threads of each process (default: the free cores / processes)",
+        help="intra-op threads of each process (default: the cores other work leaves free "
+        "when the run starts / processes)",
     )
     p.add_argument("--data-dir", help="directory with the CIFAR-10 python batches")
     p.add_argument(
