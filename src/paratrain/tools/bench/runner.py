@@ -141,8 +141,10 @@ def chosen_threads(processes: int) -> int:
     return choose_for(processes).threads
 
 
-def _spec(settings: BenchSettings, combo: Combo) -> RunSpec:
-    threads = combo.threads if combo.threads is not None else chosen_threads(combo.processes)
+def _spec(
+    settings: BenchSettings, combo: Combo, chosen: Callable[[int], int] = chosen_threads
+) -> RunSpec:
+    threads = combo.threads if combo.threads is not None else chosen(combo.processes)
     return RunSpec(
         source=settings.source,
         strategy=combo.strategy,
@@ -179,8 +181,15 @@ def _speeds(result: RunResult, steps: int) -> list[float]:
 class _Session:
     """The workers of one bench and the progress count."""
 
-    def __init__(self, settings: BenchSettings, progress: ProgressFn | None, total: int):
+    def __init__(
+        self,
+        settings: BenchSettings,
+        progress: ProgressFn | None,
+        total: int,
+        chosen: Callable[[int], int],
+    ):
         self.settings, self.progress, self.total, self.done = settings, progress, total, 0
+        self.chosen = chosen
         self.workers: dict[int, WorkerProcess] = {}
 
     def say(self, what: str) -> None:
@@ -195,7 +204,7 @@ class _Session:
         for first in range(0, len(results), at_once):
             group = results[first : first + at_once]
             for result in group:
-                spec = _spec(self.settings, result.combo)
+                spec = _spec(self.settings, result.combo, self.chosen)
                 result.spec = spec.to_dict()
                 self.workers[id(result)] = WorkerProcess(
                     spec, result.combo.processes, self.settings.timeout
@@ -236,7 +245,9 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     combos = enumerate_combos(
         settings.strategies, settings.precisions, batch_sizes, settings.devices
     )
-    combos = with_thread_counts(combos, settings.threads, chosen_threads)
+    # chosen once, before any worker loads the machine (and the same for every combination)
+    counts = {c.processes: chosen_threads(c.processes) for c in combos}
+    combos = with_thread_counts(combos, settings.threads, counts.__getitem__)
     if settings.activation_checkpointing:
         combos = with_activation_checkpointing(combos)
     results = [
@@ -245,7 +256,9 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     ]
     pending = [r for r in results if r.status == "pending"]
     averages, busy = [load_average()], [load_sample()]  # before any worker: others' work
-    session = _Session(settings, progress, len(pending) * (1 + settings.repeats))
+    session = _Session(
+        settings, progress, len(pending) * (1 + settings.repeats), counts.__getitem__
+    )
     try:
         alive = session.start(pending)
         busy.append(load_sample())  # the workers wait (they sleep): others' work
