@@ -49,8 +49,9 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 @pytest.mark.slow
 def test_cpu_and_ddp_are_measured_in_fresh_processes(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     out = tmp_path / "bench"
     argv = ["--strategies", "cpu,ddp", "--devices", "cpu,cpu", "--precisions", "32"]
     argv += ["--steps", "3", "--warmup", "1", "--repeats", "2", "--out", str(out)]
@@ -64,6 +65,10 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
     for result in (cpu, ddp):  # as asked, in every process
         assert result["config"]["threads"] == 1
         assert result["runtime"]["threads"]["threads"] == 1
+    # the wait policy `paratrain train` would have: the command's own in one process
+    # (OpenMP's default, spinning, on a quiet machine), sleeping in launched ranks
+    assert cpu["runtime"]["threads"]["wait_policy"] == "default"
+    assert ddp["runtime"]["threads"]["wait_policy"] == "PASSIVE"
     assert ddp["runtime"]["world_size"] == 2 and ddp["runtime"]["strategy"] == "ddp"
     assert [h["rank"] for h in ddp["memory"]["host"]] == [0, 1]  # every process's peak RSS
     assert all(h["peak_rss_bytes"] > 0 for h in ddp["memory"]["host"])
