@@ -30,7 +30,7 @@ DURATION_SECONDS = 60.0
 def bench_once(out: Path, options: list[str]) -> tuple[dict[str, Any], float]:
     """One default bench in a fresh process: its bench.json and its wall time."""
     command = [sys.executable, "-m", "paratrain", "bench", "--no-plot", "--no-progress"]
-    command += ["--json", "--out", str(out), *options]
+    command += ["--json", "--overwrite", "--out", str(out), *options]
     begin = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - begin
@@ -67,6 +67,7 @@ def _uptime() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--keep", type=Path, help="keep each run's bench.json under this folder")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="-- then bench options")
     args = parser.parse_args()
     options = [o for o in args.options if o != "--"]
@@ -75,7 +76,7 @@ def main() -> None:
     durations: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
-            report, seconds = bench_once(Path(tmp) / f"run{run}", options)
+            report, seconds = bench_once((args.keep or Path(tmp)) / f"run{run}", options)
             reports.append(report)
             durations.append(seconds)
             print(f"  run {run + 1}: {seconds:.1f}s, {recommendation(report)}", flush=True)
