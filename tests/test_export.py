@@ -13,6 +13,8 @@ import paratrain
 from paratrain.cli.main import main
 from paratrain.data.digits import load_digits_split
 from paratrain.tools.export.artifact import FORMAT
+from paratrain.tools.export.torchao_api import SCHEMES
+from paratrain.training import run_files
 from paratrain.utils.errors import UserError
 
 pytest.importorskip("torchao")
@@ -65,6 +67,8 @@ def test_table_and_overwrite(digits_run: Path, capsys: pytest.CaptureFixture[str
     assert code == 0
     assert "float32" in text and "int8" in text and "load_quantized" in text
     assert (digits_run / "model-int8.pt").is_file()
+    # the names `train --overwrite` removes are the names export writes
+    assert run_files.EXPORT_SCHEMES == SCHEMES and run_files.export_name("int8") == "model-int8.pt"
     code, _, err = _export(capsys, str(digits_run), "--int8")
     assert code == 2 and "--overwrite" in err and err.count("\n") == 1
     assert _export(capsys, str(digits_run), "--int8", "--overwrite", "--repeats", "2")[0] == 0

@@ -6,13 +6,15 @@ model.safetensors  final weights, plain parameter names
 config.json        resolved configuration, devices, versions, status and summary
 checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.checkpoints.state)
 tensorboard/       TensorBoard event files (--tensorboard)
+profile/           profiler traces (--profile STEPS)
+
+Every name paratrain writes there is listed in :mod:`paratrain.training.run_files`.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,17 +22,17 @@ from typing import IO, Any
 
 import torch
 
-from paratrain.checkpoints.state.store import CHECKPOINTS, remove_checkpoints
+from paratrain.checkpoints.state.store import CHECKPOINTS
+from paratrain.training.run_files import CONFIG as CONFIG
+from paratrain.training.run_files import METRICS as METRICS
+from paratrain.training.run_files import OWN_FILES as OWN_FILES
+from paratrain.training.run_files import TENSORBOARD as TENSORBOARD
+from paratrain.training.run_files import TIMINGS as TIMINGS
+from paratrain.training.run_files import WEIGHTS as WEIGHTS
+from paratrain.training.run_files import remove_previous_run
 from paratrain.utils.atomic import atomic_write, atomic_write_text
 from paratrain.utils.errors import UserError
 from paratrain.version import __version__
-
-METRICS = "metrics.jsonl"
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-TIMINGS = "timings.jsonl"
-OWN_FILES = (METRICS, WEIGHTS, CONFIG, TIMINGS)
-TENSORBOARD = "tensorboard"
 
 
 def default_out(recipe: str) -> Path:
@@ -62,7 +64,8 @@ def read_config(directory: Path) -> dict[str, Any] | None:
 
 def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
     """Check and create the run directory. Refuses, touching nothing, to reuse one that
-    already holds a run unless ``overwrite``; then only paratrain's own files go."""
+    already holds a run unless ``overwrite``; then everything paratrain wrote there goes
+    (:func:`run_files.remove_previous_run`), and nothing else."""
     directory = Path(out) if out is not None else default_out(recipe)
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--out {directory} is a file, not a directory; choose another --out")
@@ -77,10 +80,7 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
             "or choose another --out"
         )
     if status is not None:
-        for name in OWN_FILES:
-            (directory / name).unlink(missing_ok=True)
-        remove_checkpoints(directory)
-        shutil.rmtree(directory / TENSORBOARD, ignore_errors=True)
+        remove_previous_run(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

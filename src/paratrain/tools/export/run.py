@@ -25,7 +25,7 @@ from paratrain.tools.export.torchao_api import (
     quantize,
     torchao_version,
 )
-from paratrain.training import rundir
+from paratrain.training import run_files, rundir
 from paratrain.training.recipes import get_recipe
 from paratrain.utils.errors import UserError
 
@@ -100,7 +100,7 @@ def export_model(
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     run_dir = locate_run(source)
-    target = Path(out) if out is not None else run_dir / f"model-{scheme}.pt"
+    target = Path(out) if out is not None else run_dir / run_files.export_name(scheme)
     if target.is_dir():
         raise UserError(f"--out {target} is a directory; name a file")
     if target.exists() and not overwrite:
