@@ -175,6 +175,48 @@ def test_train_on_a_full_disk_is_one_line_and_exit_2(
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     code, err = _train(capsys, "--resume", str(run), "--max-steps", "8")
     assert code == 2 and err.count("\n") == 1
-    assert "no space left on device while writing" in err and "step-000008" in err
-    assert " bytes needed, 0 free" in err
+    assert f"while writing checkpoint {run}/checkpoints/step-000008: " in err
+    assert " bytes needed, 0 free; the newest checkpoint, step-000006, is intact" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def _full_file(tensors: object, filename: str, metadata: object = None) -> None:
+    """safetensors' ``save_file`` on a disk that fills up after the free-space check."""
+    Path(filename).write_bytes(b"x" * 100)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_disk_full_while_writing_then_a_resume_after_freeing_space(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--strategy cpu`: a checkpoint, then the final weights, fail half-written; each is one
+    line naming the file the user knows (not a temporary one) and what to do, leaves nothing
+    behind, and the resume once there is space ends where a run never interrupted ends."""
+    from paratrain.checkpoints.state import sharded, snapshot
+
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    weights = (run / "model.safetensors").read_bytes()
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshot, "save_file", _full_file)
+        code, err = _train(capsys, "--resume", str(run), "--max-steps", "8")
+    assert code == 2 and err.count("\n") == 1 and ".tmp" not in err
+    assert err.startswith(
+        f"paratrain: error: no space left on device while writing checkpoint "
+        f"{run}/checkpoints/step-000008: "
+    )
+    assert f"step-000006, is intact: free space on that disk and --resume {run}" in err
+    assert err.endswith(", or train with --out on another disk\n")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    with monkeypatch.context() as patch:
+        patch.setattr(sharded, "save_file", _full_file)
+        code, err = _train(capsys, "--resume", str(run), "--max-steps", "8")
+    assert code == 2 and err.count("\n") == 1
+    assert f"while writing the final weights {run}/model.safetensors: " in err
+    assert f"step-000008, is intact: free space on that disk and --resume {run} to" in err
+    assert (run / "model.safetensors").read_bytes() == weights  # the previous ones, whole
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".model")) == []
+    assert json.loads((run / "config.json").read_text())["status"] == "running"
+    assert _train(capsys, "--resume", str(run))[0] == 0  # the space is back
+    straight = tmp_path / "straight"
+    assert _train(capsys, "--out", str(straight), *COMMON, "--max-steps", "8")[0] == 0
+    assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()

@@ -13,16 +13,18 @@ Every name paratrain writes there is listed in :mod:`paratrain.training.run_file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from paratrain.checkpoints.state.store import CHECKPOINTS
+from paratrain.checkpoints.state.store import CHECKPOINTS, latest_checkpoint
 from paratrain.training.run_files import CONFIG as CONFIG
 from paratrain.training.run_files import METRICS as METRICS
 from paratrain.training.run_files import OWN_FILES as OWN_FILES
@@ -30,7 +32,14 @@ from paratrain.training.run_files import TENSORBOARD as TENSORBOARD
 from paratrain.training.run_files import TIMINGS as TIMINGS
 from paratrain.training.run_files import WEIGHTS as WEIGHTS
 from paratrain.training.run_files import remove_previous_run
-from paratrain.utils.atomic import atomic_write, atomic_write_text
+from paratrain.utils.atomic import (
+    FULL,
+    DiskFull,
+    atomic_write,
+    atomic_write_text,
+    free_bytes,
+    space_figures,
+)
 from paratrain.utils.errors import UserError
 from paratrain.version import __version__
 
@@ -86,6 +95,34 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
     except OSError as exc:
         raise UserError(f"cannot create --out {directory}: {exc.strerror}") from None
     return directory
+
+
+@contextlib.contextmanager
+def full_disk_said(directory: Path) -> Iterator[None]:
+    """A full disk while writing the final weights becomes one line (``UserError``): the
+    file, how much it needs and is free, and what to do; the checkpoints are untouched and
+    ``config.json`` still says ``running``, so a ``--resume`` writes the weights."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        path = directory / WEIGHTS
+        if isinstance(exc, DiskFull):
+            figures = space_figures(exc.needed, exc.free, exc.at_least)
+        else:
+            figures = space_figures(None, free_bytes(directory))
+        newest = latest_checkpoint(directory)
+        kept = (
+            f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
+            f"--resume {directory} to write them"
+            if newest is not None
+            else "the run has no checkpoint: free space on that disk and train again"
+        )
+        raise UserError(
+            f"no space left on device while writing the final weights {path}: {figures}; "
+            f"{kept}, or train with --out on another disk"
+        ) from None
 
 
 def versions() -> dict[str, str]:

@@ -53,12 +53,32 @@ def free_bytes(directory: Path) -> int | None:
         return None
 
 
-def no_space(path: Path, needed: int, free: int | None = None, at_least: bool = False) -> OSError:
+class DiskFull(OSError):
+    """A full disk (``errno.ENOSPC``), said in one line; keeps the figures, so that a caller
+    can say it again of what it was writing (a checkpoint rather than one of its files)."""
+
+    path: Path
+    #: bytes the write takes (``at_least``: the bytes written when the disk was full)
+    needed: int
+    at_least: bool
+    free: int | None
+
+
+def space_figures(needed: int | None, free: int | None, at_least: bool = False) -> str:
+    """``N bytes needed, M free``, the figures of a full disk's message (what is known)."""
+    room = "free space unknown" if free is None else f"{free:,} free"
+    if needed is None:
+        return room
+    return f"{'at least ' if at_least else ''}{needed:,} bytes needed, {room}"
+
+
+def no_space(path: Path, needed: int, free: int | None = None, at_least: bool = False) -> DiskFull:
     """The one-line error of a full disk (``errno.ENOSPC``)."""
     free = free_bytes(path.parent) if free is None else free
-    what = f"{'at least ' if at_least else ''}{needed:,} bytes needed"
-    room = "free space unknown" if free is None else f"{free:,} free"
-    return OSError(errno.ENOSPC, f"no space left on device while writing {path}: {what}, {room}")
+    figures = space_figures(needed, free, at_least)
+    error = DiskFull(errno.ENOSPC, f"no space left on device while writing {path}: {figures}")
+    error.path, error.needed, error.at_least, error.free = path, needed, at_least, free
+    return error
 
 
 def check_space(path: Path, needed: int) -> None:

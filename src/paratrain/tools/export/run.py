@@ -27,6 +27,7 @@ from paratrain.tools.export.torchao_api import (
 )
 from paratrain.training import run_files, rundir
 from paratrain.training.recipes import get_recipe
+from paratrain.utils.atomic import FULL, DiskFull, free_bytes, space_figures
 from paratrain.utils.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -75,6 +76,19 @@ def locate_run(source: str | Path) -> Path:
     raise UserError(
         f"{path} is neither a paratrain run directory nor one of its checkpoints "
         f"(RUN/{CHECKPOINTS}/step-N): export rebuilds the model from the run's {rundir.CONFIG}"
+    )
+
+
+def _full_disk(exc: OSError, target: Path) -> str:
+    """One line: the file, how much it needs and is free, what to do."""
+    if isinstance(exc, DiskFull):
+        figures = space_figures(exc.needed, exc.free, exc.at_least)
+    else:
+        figures = space_figures(None, free_bytes(target.parent))
+    before = "; the file there before is intact" if target.exists() else ""
+    return (
+        f"no space left on device while writing {target}: {figures}{before}; free space on "
+        "that disk or pass --out FILE on another disk"
     )
 
 
@@ -137,7 +151,12 @@ def export_model(
     before = figures("float32", model, saved_bytes(model))
     layers = quantizable(model)
     quantized = quantize(copy.deepcopy(model), scheme)
-    save_quantized(target, quantized, scheme, config, torchao_version())
+    try:
+        save_quantized(target, quantized, scheme, config, torchao_version())
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        raise UserError(_full_disk(exc, target)) from None
     after = figures(scheme, quantized, target.stat().st_size)
     reloaded = load_quantized(target, map_location=device)
     with torch.inference_mode():
