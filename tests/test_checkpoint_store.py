@@ -25,6 +25,7 @@ from paratrain.checkpoints.state.store import (
     remove_leftovers,
     write_checkpoint,
 )
+from paratrain.utils.atomic import no_space
 from paratrain.utils.errors import UserError
 
 
@@ -141,7 +142,7 @@ def test_a_failed_write_leaves_nothing_and_says_why(tmp_path: Path) -> None:
     final = tmp_path / "checkpoints" / "step-000002"
     said = str(raised.value)  # the checkpoint, not its temporary folder; what was written
     assert said.startswith(f"no space left on device while writing checkpoint {final}: ")
-    assert ".step-000002.tmp" not in said and "at least 18 bytes needed, " in said  # 11 + 7 bytes
+    assert ".step-000002.tmp" not in said and "bytes free are needed; " in said
     assert "the newest checkpoint, step-000001, is intact" in said and "--out" in said
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     with pytest.raises(UserError, match=r"step-000002: 4,611,686,018,427,387,904 bytes needed"):
@@ -160,20 +161,22 @@ def test_os_error_messages(tmp_path: Path) -> None:
     where = tmp_path / "checkpoints" / "step-000002"
     quota = OSError(errno.EDQUOT, "Disk quota exceeded")
     said = _os_error(quota, where, size=None, written=0)
-    assert said.startswith(
-        f"no space left on device while writing checkpoint {where}: Disk quota exceeded; "
-    )
-    assert "free; no checkpoint of this run is complete yet: free space" in said
+    assert said.startswith(f"no space left on device while writing checkpoint {where}: ")
+    assert re.search(r": [\d,]+ free on the disk, but the quota is exceeded; ", said)
+    assert "exceeded; no checkpoint of this run is complete yet: free space" in said
     assert said.endswith(", or train with --out on another disk")
-    assert re.search(r": Disk quota exceeded; [\d,]+ free; ", said)  # read after the failure
     _save(tmp_path, 1)
+    before = no_space(where, 2048, free=100)  # the free space checked before writing
+    said = _os_error(before, where, size=2048)
+    assert f"{where}: 2,048 bytes needed, 100 free; the newest checkpoint, step-000001" in said
+    assert f"is intact: free space on that disk and --resume {tmp_path}, or train" in said
     for error in (OSError(errno.ENOSPC, "No space left on device"), OSError()):
         error.errno = errno.ENOSPC  # a bare one has no words of its own
-        said = _os_error(error, where, size=2048, written=10)
-        assert f"{where}: 2,048 bytes needed, " in said and "step-000001, is intact" in said
-        assert f"--resume {tmp_path}" in said
-    # more written than estimated: at least that much
-    assert "at least 4,096 bytes needed" in _os_error(error, where, size=2048, written=4096)
+        said = _os_error(error, where, size=2048, written=10)  # the disk filled up meanwhile
+        assert re.search(rf"{where}: more than the [\d,]+ bytes free are needed; the", said)
+    # a quota: the free space does not show it; what was written, or the estimate, does
+    assert "at least 4,096 bytes needed" in _os_error(quota, where, size=2048, written=4096)
+    assert "at least 2,048 bytes needed" in _os_error(quota, where, size=2048, written=10)
     denied = OSError(errno.EACCES, "Permission denied")
     assert _os_error(denied, where) == f"cannot write {where}: Permission denied"
     assert _os_error(OSError("plain"), where) == f"cannot write {where}: plain"

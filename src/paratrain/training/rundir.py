@@ -32,14 +32,7 @@ from paratrain.training.run_files import TENSORBOARD as TENSORBOARD
 from paratrain.training.run_files import TIMINGS as TIMINGS
 from paratrain.training.run_files import WEIGHTS as WEIGHTS
 from paratrain.training.run_files import remove_previous_run
-from paratrain.utils.atomic import (
-    FULL,
-    DiskFull,
-    atomic_write,
-    atomic_write_text,
-    free_bytes,
-    space_figures,
-)
+from paratrain.utils.atomic import FULL, atomic_write, atomic_write_text, full_figures
 from paratrain.utils.errors import UserError
 from paratrain.version import __version__
 
@@ -108,10 +101,7 @@ def full_disk_said(directory: Path) -> Iterator[None]:
         if exc.errno not in FULL:
             raise
         path = directory / WEIGHTS
-        if isinstance(exc, DiskFull):
-            figures = space_figures(exc.needed, exc.free, exc.at_least)
-        else:
-            figures = space_figures(None, free_bytes(directory))
+        figures = full_figures(exc, directory)
         newest = latest_checkpoint(directory)
         kept = (
             f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "

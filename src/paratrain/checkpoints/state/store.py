@@ -150,13 +150,11 @@ def _os_error(exc: OSError, checkpoint: Path, size: int | None = None, written: 
     root = checkpoint.parent
     if isinstance(exc, DiskFull) and not exc.at_least:  # refused before writing
         needed, at_least, free = exc.needed, False, exc.free
-    else:
+    else:  # failed during the write: the estimate (a lower bound) or what was written
         partial = written + (exc.needed if isinstance(exc, DiskFull) else 0)
-        at_least = size is None or partial > size
-        needed, free = max(partial, size or 0), free_bytes(root if root.is_dir() else root.parent)
-    figures = space_figures(needed or None, free, at_least)
-    if not isinstance(exc, DiskFull) and exc.errno != errno.ENOSPC:  # a quota: say which
-        figures = f"{exc.strerror or 'disk quota exceeded'}; {figures}"
+        needed, at_least = max(partial, size or 0), True
+        free = free_bytes(root if root.is_dir() else root.parent)  # with this one's gone
+    figures = space_figures(needed or None, free, at_least, exc.errno == errno.EDQUOT)
     run_dir = root.parent
     newest = latest_checkpoint(run_dir)
     kept = (

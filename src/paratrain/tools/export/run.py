@@ -27,7 +27,7 @@ from paratrain.tools.export.torchao_api import (
 )
 from paratrain.training import run_files, rundir
 from paratrain.training.recipes import get_recipe
-from paratrain.utils.atomic import FULL, DiskFull, free_bytes, space_figures
+from paratrain.utils.atomic import FULL, full_figures
 from paratrain.utils.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -81,10 +81,7 @@ def locate_run(source: str | Path) -> Path:
 
 def _full_disk(exc: OSError, target: Path) -> str:
     """One line: the file, how much it needs and is free, what to do."""
-    if isinstance(exc, DiskFull):
-        figures = space_figures(exc.needed, exc.free, exc.at_least)
-    else:
-        figures = space_figures(None, free_bytes(target.parent))
+    figures = full_figures(exc, target.parent)
     before = "; the file there before is intact" if target.exists() else ""
     return (
         f"no space left on device while writing {target}: {figures}{before}; free space on "
