@@ -3,8 +3,10 @@ small run (`--strategy cpu`, the linear recipe), damaged in a copy, in this proc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import os
 import re
 import shutil
 import weakref
@@ -18,6 +20,7 @@ import pytest
 from paratrain.checkpoints.state import manifest
 from paratrain.checkpoints.state.store import write_checkpoint
 from paratrain.cli.main import main
+from paratrain.training.rundir import MetricsWriter
 from paratrain.utils import atomic
 from paratrain.utils.atomic import atomic_write, atomic_write_text
 from paratrain.utils.errors import UserError
@@ -181,6 +184,29 @@ def test_a_full_disk_during_a_checkpoint_leaves_no_part_of_it(tmp_path: Path) ->
         write_checkpoint(tmp_path, 2, files, keep=3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     assert manifest.verify(tmp_path / "checkpoints" / "step-000001", 1)["step"] == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_full_disk_while_appending_metrics_names_the_file(tmp_path: Path) -> None:
+    """A real ENOSPC (/dev/full refuses every write): one line naming metrics.jsonl, not a
+    bare "No space left on device", and what to do."""
+    write_checkpoint(tmp_path, 4, {"state.json": lambda p: p.write_text("{}")}, keep=3)
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"step": 1})
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        os.dup2(full, writer._handle.fileno())  # the file's descriptor now writes there
+        with pytest.raises(UserError) as caught:
+            writer.write({"step": 2})
+    finally:
+        os.close(full)
+        with contextlib.suppress(OSError):  # the line it still holds cannot be written
+            writer.close()
+    said = str(caught.value)
+    assert said.startswith(f"no space left on device while writing {path}: ")
+    assert f"step-000004, is intact: free space on that disk and --resume {tmp_path}, or" in said
+    assert writer.lines == 1 and path.read_text() == '{"step": 1}\n'
 
 
 Usage = namedtuple("Usage", "total used free")

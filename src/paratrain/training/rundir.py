@@ -91,26 +91,26 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
 
 
 @contextlib.contextmanager
-def full_disk_said(directory: Path) -> Iterator[None]:
-    """A full disk while writing the final weights becomes one line (``UserError``): the
-    file, how much it needs and is free, and what to do; the checkpoints are untouched and
-    ``config.json`` still says ``running``, so a ``--resume`` writes the weights."""
+def full_disk_said(directory: Path, path: Path | None = None) -> Iterator[None]:
+    """A full disk while writing ``path`` of the run (its final weights by default) becomes
+    one line (``UserError``): the file, how much it needs and is free, and what to do. The
+    checkpoints are untouched and ``config.json`` still says ``running``: a ``--resume``
+    continues the run (and writes the final weights)."""
     try:
         yield
     except OSError as exc:
         if exc.errno not in FULL:
             raise
-        path = directory / WEIGHTS
-        figures = full_figures(exc, directory)
+        what = f"the final weights {directory / WEIGHTS}" if path is None else str(path)
         newest = latest_checkpoint(directory)
         kept = (
             f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
-            f"--resume {directory} to write them"
+            f"--resume {directory}{' to write them' if path is None else ''}"
             if newest is not None
             else "the run has no checkpoint: free space on that disk and train again"
         )
         raise UserError(
-            f"no space left on device while writing the final weights {path}: {figures}; "
+            f"no space left on device while writing {what}: {full_figures(exc, directory)}; "
             f"{kept}, or train with --out on another disk"
         ) from None
 
@@ -149,11 +149,13 @@ class MetricsWriter:
             if path.exists():
                 atomic_write(path, lambda tmp: _write_lines(tmp, kept))
         self.lines = _count_lines(path)
+        self.path = path
         self._handle: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record, sort_keys=True) + "\n")
-        self._handle.flush()
+        with full_disk_said(self.path.parent, self.path):
+            self._handle.write(json.dumps(record, sort_keys=True) + "\n")
+            self._handle.flush()
         self.lines += 1
 
     def close(self) -> None:
