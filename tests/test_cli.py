@@ -207,6 +207,25 @@ def test_finished_run_is_not_overwritten_without_overwrite(
     assert not (out / "profile").exists()  # a folder of paratrain's goes once empty
 
 
+def test_overwrite_clears_traces_left_where_no_run_is_recognised(tmp_path: Path) -> None:
+    """Without config.json and the rest (removed by hand), --overwrite still removes the old
+    run's traces and events; without --overwrite nothing is touched. No training: in process."""
+    from paratrain.training.rundir import prepare
+
+    names = ["profile/rank0.1764100000000000000.pt.trace.json", "model-int4.pt"]
+    names += ["tensorboard/events.out.tfevents.1764100000.host.42.0"]
+    for name in [*names, "profile/notes.txt"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert prepare(tmp_path, "linear", overwrite=False) == tmp_path
+    assert all((tmp_path / name).exists() for name in names)
+    prepare(tmp_path, "linear", overwrite=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "profile",
+        "profile/notes.txt",
+    ]
+
+
 #: the files of one checkpoint (single process)
 CKPT = ("manifest.json", "model.safetensors", "optimizer.pt", "rng-rank0.pt", "state.json")
 

@@ -81,7 +81,7 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
             f"--out {directory} already holds {what}{resume}; pass --overwrite to replace it "
             "or choose another --out"
         )
-    if status is not None:
+    if overwrite and directory.is_dir():  # also what is left where no run is recognised
         remove_previous_run(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
