@@ -154,6 +154,11 @@ def test_a_full_disk_keeps_the_previous_file_and_says_so(tmp_path: Path) -> None
         atomic_write(target, _full(errno.EDQUOT))  # a quota the free space does not show
     assert caught.value.errno == errno.EDQUOT
     assert target.read_text() == "before" and sorted(tmp_path.iterdir()) == [target]
+    # the free space checked (size) and yet full: the larger of size and what was written
+    with pytest.raises(OSError, match=f"{target}: at least 4,096 bytes needed, "):
+        atomic_write(target, _full(errno.EDQUOT), size=4096)
+    with pytest.raises(OSError, match=r": more than the [\d,]+ bytes free are needed$"):
+        atomic_write(target, _full(), size=4096)
     with pytest.raises(OSError, match=r"1,099,511,627,776 bytes needed, [\d,]+ free"):
         atomic_write(target, _full(), size=1 << 40)  # checked before anything is written
     assert target.read_text() == "before" and sorted(tmp_path.iterdir()) == [target]

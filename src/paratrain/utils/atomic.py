@@ -1,9 +1,11 @@
 """Crash-safe file writes: a file is either complete under its name, or absent.
 
 A full disk is said in one line, ``no space left on device while writing PATH: N bytes
-needed, M free`` (an ``OSError`` with ``errno.ENOSPC``), and leaves nothing half-written:
-the temporary file goes, the previous file under the name stays. Where the size is known
-beforehand (``size``), the free space is checked before anything is written.
+needed, M free`` (a :class:`DiskFull`, an ``OSError`` with ``errno.ENOSPC``), and leaves
+nothing half-written: the temporary file goes, the previous file under the name stays.
+Where the size is known beforehand (``size``), the free space is checked before anything
+is written; a disk that fills up during the write says ``more than the M bytes free are
+needed`` (M: the free space once the part written is gone).
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def free_bytes(directory: Path) -> int | None:
 
 
 class DiskFull(OSError):
-    """A full disk (``errno.ENOSPC``), said in one line; keeps the figures, so that a caller
-    can say it again of what it was writing (a checkpoint rather than one of its files)."""
+    """A full disk (``errno.ENOSPC``, or ``EDQUOT``: a full quota), said in one line; keeps
+    the figures, so that a caller can say it again of what it was writing (a checkpoint
+    rather than one of its files)."""
 
     path: Path
     #: bytes the write takes (``at_least``: the bytes written when the disk was full)
@@ -145,8 +148,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], size: int | No
         if full:
             _release_frames(exc)
         tmp.unlink(missing_ok=True)
-        if full:
-            needed, at_least = (size, False) if size is not None else (written, True)
+        if full:  # during the write: the free space was checked (size), or not known
+            needed, at_least = max(size or 0, written), True
             code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOSPC
             raise no_space(path, needed, at_least=at_least, code=code) from exc
         raise
