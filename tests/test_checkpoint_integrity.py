@@ -3,18 +3,24 @@ small run (`--strategy cpu`, the linear recipe), damaged in a copy, in this proc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import os
+import re
 import shutil
+import weakref
 from collections import namedtuple
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 from paratrain.checkpoints.state import manifest
 from paratrain.checkpoints.state.store import write_checkpoint
 from paratrain.cli.main import main
+from paratrain.training.rundir import MetricsWriter
 from paratrain.utils import atomic
 from paratrain.utils.atomic import atomic_write, atomic_write_text
 from paratrain.utils.errors import UserError
@@ -141,11 +147,38 @@ def test_a_full_disk_keeps_the_previous_file_and_says_so(tmp_path: Path) -> None
     with pytest.raises(OSError, match="no space left on device while writing") as caught:
         atomic_write(target, _full())
     assert caught.value.errno == errno.ENOSPC
-    assert f"{target}: at least 100 bytes needed, " in str(caught.value)
+    # it filled up while written: more than what is free again once the part written goes
+    assert re.search(rf"{target}: more than the [\d,]+ bytes free are needed$", str(caught.value))
     assert target.read_text() == "before" and sorted(tmp_path.iterdir()) == [target]
+    with pytest.raises(OSError, match=f"{target}: at least 100 bytes needed, ") as caught:
+        atomic_write(target, _full(errno.EDQUOT))  # a quota the free space does not show
+    assert caught.value.errno == errno.EDQUOT
+    assert target.read_text() == "before" and sorted(tmp_path.iterdir()) == [target]
+    # the free space checked (size) and yet full: the larger of size and what was written
+    with pytest.raises(OSError, match=f"{target}: at least 4,096 bytes needed, "):
+        atomic_write(target, _full(errno.EDQUOT), size=4096)
+    with pytest.raises(OSError, match=r": more than the [\d,]+ bytes free are needed$"):
+        atomic_write(target, _full(), size=4096)
     with pytest.raises(OSError, match=r"1,099,511,627,776 bytes needed, [\d,]+ free"):
         atomic_write(target, _full(), size=1 << 40)  # checked before anything is written
     assert target.read_text() == "before" and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_a_full_disk_closes_what_the_writer_left_open(tmp_path: Path) -> None:
+    """A writer failing with its file open (torch.save's zip writer does): the error, kept,
+    must not keep the file, whose space the free figure would otherwise miss."""
+    opened: list[weakref.ref[IO[bytes]]] = []
+
+    def write(tmp: Path) -> None:
+        handle = open(tmp, "wb")  # noqa: SIM115 - left open, as a failing writer does
+        opened.append(weakref.ref(handle))
+        handle.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="no space left on device") as caught:
+        atomic_write(tmp_path / "weights.bin", write)
+    assert caught.value.__cause__ is not None  # the writer's error, frames and all, is kept
+    assert opened[0]() is None and list(tmp_path.iterdir()) == []
 
 
 def test_a_full_disk_during_a_checkpoint_leaves_no_part_of_it(tmp_path: Path) -> None:
@@ -156,6 +189,29 @@ def test_a_full_disk_during_a_checkpoint_leaves_no_part_of_it(tmp_path: Path) ->
         write_checkpoint(tmp_path, 2, files, keep=3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     assert manifest.verify(tmp_path / "checkpoints" / "step-000001", 1)["step"] == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_full_disk_while_appending_metrics_names_the_file(tmp_path: Path) -> None:
+    """A real ENOSPC (/dev/full refuses every write): one line naming metrics.jsonl, not a
+    bare "No space left on device", and what to do."""
+    write_checkpoint(tmp_path, 4, {"state.json": lambda p: p.write_text("{}")}, keep=3)
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"step": 1})
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        os.dup2(full, writer._handle.fileno())  # the file's descriptor now writes there
+        with pytest.raises(UserError) as caught:
+            writer.write({"step": 2})
+    finally:
+        os.close(full)
+        with contextlib.suppress(OSError):  # the line it still holds cannot be written
+            writer.close()
+    said = str(caught.value)
+    assert said.startswith(f"no space left on device while writing {path}: ")
+    assert f"step-000004, is intact: free space on that disk and --resume {tmp_path}, or" in said
+    assert writer.lines == 1 and path.read_text() == '{"step": 1}\n'
 
 
 Usage = namedtuple("Usage", "total used free")
@@ -175,6 +231,48 @@ def test_train_on_a_full_disk_is_one_line_and_exit_2(
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     code, err = _train(capsys, "--resume", str(run), "--max-steps", "8")
     assert code == 2 and err.count("\n") == 1
-    assert "no space left on device while writing" in err and "step-000008" in err
-    assert " bytes needed, 0 free" in err
+    assert f"while writing checkpoint {run}/checkpoints/step-000008: " in err
+    assert " bytes needed, 0 free; the newest checkpoint, step-000006, is intact" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def _full_file(tensors: object, filename: str, metadata: object = None) -> None:
+    """safetensors' ``save_file`` on a disk that fills up after the free-space check."""
+    Path(filename).write_bytes(b"x" * 100)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_disk_full_while_writing_then_a_resume_after_freeing_space(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--strategy cpu`: a checkpoint, then the final weights, fail half-written; each is one
+    line naming the file the user knows (not a temporary one) and what to do, leaves nothing
+    behind, and the resume once there is space ends where a run never interrupted ends."""
+    from paratrain.checkpoints.state import sharded, snapshot
+
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    weights = (run / "model.safetensors").read_bytes()
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshot, "save_file", _full_file)
+        code, err = _train(capsys, "--resume", str(run), "--max-steps", "8")
+    assert code == 2 and err.count("\n") == 1 and ".tmp" not in err
+    assert err.startswith(
+        f"paratrain: error: no space left on device while writing checkpoint "
+        f"{run}/checkpoints/step-000008: "
+    )
+    assert f"step-000006, is intact: free space on that disk and --resume {run}" in err
+    assert err.endswith(", or train with --out on another disk\n")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    with monkeypatch.context() as patch:
+        patch.setattr(sharded, "save_file", _full_file)
+        code, err = _train(capsys, "--resume", str(run), "--max-steps", "8")
+    assert code == 2 and err.count("\n") == 1
+    assert f"while writing the final weights {run}/model.safetensors: " in err
+    assert f"step-000008, is intact: free space on that disk and --resume {run} to" in err
+    assert (run / "model.safetensors").read_bytes() == weights  # the previous ones, whole
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".model")) == []
+    assert json.loads((run / "config.json").read_text())["status"] == "running"
+    assert _train(capsys, "--resume", str(run))[0] == 0  # the space is back
+    straight = tmp_path / "straight"
+    assert _train(capsys, "--out", str(straight), *COMMON, "--max-steps", "8")[0] == 0
+    assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()

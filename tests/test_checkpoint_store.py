@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from paratrain.checkpoints.state.store import (
     remove_leftovers,
     write_checkpoint,
 )
+from paratrain.utils.atomic import no_space
 from paratrain.utils.errors import UserError
 
 
@@ -131,16 +133,19 @@ def test_a_failed_write_leaves_nothing_and_says_why(tmp_path: Path) -> None:
     _save(tmp_path, 1)
 
     def full(path: Path) -> None:
-        path.write_bytes(b"x")
+        path.write_bytes(b"x" * 7)
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    files = {"state.json": _files(2)["state.json"], "model.safetensors": full}
     with pytest.raises(UserError) as raised:
-        write_checkpoint(tmp_path, 2, {"model.safetensors": full}, 3)
+        write_checkpoint(tmp_path, 2, files, 3)
     final = tmp_path / "checkpoints" / "step-000002"
-    said = str(raised.value)  # atomic_write's own message, kept whole
-    assert said.startswith("no space left on device while writing ") and "step-000002" in said
+    said = str(raised.value)  # the checkpoint, not its temporary folder; what was written
+    assert said.startswith(f"no space left on device while writing checkpoint {final}: ")
+    assert ".step-000002.tmp" not in said and "bytes free are needed; " in said
+    assert "the newest checkpoint, step-000001, is intact" in said and "--out" in said
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
-    with pytest.raises(UserError, match="no space left"):
+    with pytest.raises(UserError, match=r"step-000002: 4,611,686,018,427,387,904 bytes needed"):
         write_checkpoint(tmp_path, 2, _files(2), 3, size=1 << 62)
 
     def denied(path: Path) -> None:
@@ -152,21 +157,29 @@ def test_a_failed_write_leaves_nothing_and_says_why(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
 
 
-def test_os_error_messages() -> None:
-    where = Path("run/checkpoints/step-000002")
+def test_os_error_messages(tmp_path: Path) -> None:
+    where = tmp_path / "checkpoints" / "step-000002"
     quota = OSError(errno.EDQUOT, "Disk quota exceeded")
-    assert (
-        _os_error(quota, where)
-        == f"no space left on device while writing {where}: Disk quota exceeded"
-    )
-    said = OSError(errno.ENOSPC, "no space left: 3 bytes free")
-    assert _os_error(said, where) == "no space left: 3 bytes free"
+    said = _os_error(quota, where, size=None, written=0)
+    assert said.startswith(f"no space left on device while writing checkpoint {where}: ")
+    assert re.search(r": [\d,]+ free on the disk, but the quota is exceeded; ", said)
+    assert "exceeded; no checkpoint of this run is complete yet: free space" in said
+    assert said.endswith(", or train with --out on another disk")
+    _save(tmp_path, 1)
+    before = no_space(where, 2048, free=100)  # the free space checked before writing
+    said = _os_error(before, where, size=2048)
+    assert f"{where}: 2,048 bytes needed, 100 free; the newest checkpoint, step-000001" in said
+    assert f"is intact: free space on that disk and --resume {tmp_path}, or train" in said
+    for error in (OSError(errno.ENOSPC, "No space left on device"), OSError()):
+        error.errno = errno.ENOSPC  # a bare one has no words of its own
+        said = _os_error(error, where, size=2048, written=10)  # the disk filled up meanwhile
+        assert re.search(rf"{where}: more than the [\d,]+ bytes free are needed; the", said)
+    # a quota: the free space does not show it; what was written, or the estimate, does
+    assert "at least 4,096 bytes needed" in _os_error(quota, where, size=2048, written=4096)
+    assert "at least 2,048 bytes needed" in _os_error(quota, where, size=2048, written=10)
     denied = OSError(errno.EACCES, "Permission denied")
     assert _os_error(denied, where) == f"cannot write {where}: Permission denied"
     assert _os_error(OSError("plain"), where) == f"cannot write {where}: plain"
-    bare = OSError()
-    bare.errno = errno.ENOSPC  # no words of its own
-    assert _os_error(bare, where) == f"no space left on device while writing {where}: "
 
 
 def test_removing_every_checkpoint(tmp_path: Path) -> None:

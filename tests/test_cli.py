@@ -175,19 +175,59 @@ def test_missing_cifar_files_are_named(capsys: pytest.CaptureFixture[str], tmp_p
 def test_finished_run_is_not_overwritten_without_overwrite(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """`--strategy cpu`: `--overwrite` leaves nothing of the previous run (its profile,
+    TensorBoard events, checkpoints, an export, a crashed write's leftover) and keeps every
+    file of the user's, also inside paratrain's folders."""
     out = tmp_path / "run"
-    assert train(capsys, out, *CPU, "--recipe", "linear", "--epochs", "1")[0] == 0
-    (out / "notes.txt").write_text("mine")
+    linear = (*CPU, "--recipe", "linear", "--epochs", "1")
+    first = (*linear, "--profile", "1", "--tensorboard", "--save-every", "2")
+    assert train(capsys, out, *first)[0] == 0
+    old_trace = next((out / "profile").glob("rank0.*.pt.trace.json"))
+    old_events = next((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(list((out / "checkpoints").iterdir())) > 1
+    (out / "model-int8.pt").write_bytes(b"exported")  # as `paratrain export` names it
+    (out / ".config.json.k3j_a8x2.tmp").write_text("{")  # a write cut short
+    mine = ["notes.txt", "model-best.pt", ".config.json.bak", "checkpoints/notes.txt"]
+    mine += ["tensorboard/other/events.out.tfevents.1"]  # profile/ holds only paratrain's
+    for name in mine:
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    code, _, err = train(capsys, out, *CPU, "--recipe", "linear", "--epochs", "1", "--seed", "3")
+    code, _, err = train(capsys, out, *linear, "--seed", "3")
     assert code == 2 and "--overwrite" in err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    code, _, _ = train(
-        capsys, out, *CPU, "--recipe", "linear", "--epochs", "1", "--seed", "3", "--overwrite"
-    )
+    code, _, _ = train(capsys, out, *linear, "--seed", "3", "--max-steps", "1", "--overwrite")
     assert code == 0
-    assert (out / "notes.txt").read_text() == "mine"
+    assert all((out / name).read_text() == "mine" for name in mine)
     assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    kept = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    new_run = {"config.json", "metrics.jsonl", "timings.jsonl", "model.safetensors"}
+    assert kept == new_run | set(mine) | {"checkpoints/step-000001/" + n for n in CKPT}
+    assert not old_trace.exists() and not old_events.exists()
+    assert not (out / "profile").exists()  # a folder of paratrain's goes once empty
+
+
+def test_overwrite_clears_traces_left_where_no_run_is_recognised(tmp_path: Path) -> None:
+    """Without config.json and the rest (removed by hand), --overwrite still removes the old
+    run's traces and events; without --overwrite nothing is touched. No training: in process."""
+    from paratrain.training.rundir import prepare
+
+    names = ["profile/rank0.1764100000000000000.pt.trace.json", "model-int4.pt"]
+    names += ["tensorboard/events.out.tfevents.1764100000.host.42.0"]
+    for name in [*names, "profile/notes.txt"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert prepare(tmp_path, "linear", overwrite=False) == tmp_path
+    assert all((tmp_path / name).exists() for name in names)
+    prepare(tmp_path, "linear", overwrite=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "profile",
+        "profile/notes.txt",
+    ]
+
+
+#: the files of one checkpoint (single process)
+CKPT = ("manifest.json", "model.safetensors", "optimizer.pt", "rng-rank0.pt", "state.json")
 
 
 def test_out_that_is_a_file_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ import paratrain
 from paratrain.cli.main import main
 from paratrain.data.digits import load_digits_split
 from paratrain.tools.export.artifact import FORMAT
+from paratrain.tools.export.torchao_api import SCHEMES
+from paratrain.training import run_files
 from paratrain.utils.errors import UserError
 
 pytest.importorskip("torchao")
@@ -65,9 +69,40 @@ def test_table_and_overwrite(digits_run: Path, capsys: pytest.CaptureFixture[str
     assert code == 0
     assert "float32" in text and "int8" in text and "load_quantized" in text
     assert (digits_run / "model-int8.pt").is_file()
+    # the names `train --overwrite` removes are the names export writes
+    assert run_files.EXPORT_SCHEMES == SCHEMES and run_files.export_name("int8") == "model-int8.pt"
     code, _, err = _export(capsys, str(digits_run), "--int8")
     assert code == 2 and "--overwrite" in err and err.count("\n") == 1
     assert _export(capsys, str(digits_run), "--int8", "--overwrite", "--repeats", "2")[0] == 0
+
+
+def test_a_full_disk_keeps_the_previous_export(
+    digits_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk that fills up while the quantized model is written: one line naming the file
+    and what to do, exit 2, the file replaced by --overwrite still whole, no leftover."""
+    out = tmp_path / "q.pt"
+    out.write_bytes(b"the previous export")
+
+    real = torch.save
+
+    def full(obj: object, path: Path | io.BytesIO) -> None:
+        if isinstance(path, io.BytesIO):  # the size measured in memory
+            return real(obj, path)
+        Path(path).write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    argv = ("--int8", "--out", str(out), "--overwrite", "--repeats", "1")
+    code, _, err = _export(capsys, str(digits_run), *argv)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"paratrain: error: no space left on device while writing {out}: ")
+    assert "bytes free are needed; the file there before is intact" in err
+    assert err.endswith("free space on that disk or pass --out FILE on another disk\n")
+    assert out.read_bytes() == b"the previous export" and list(tmp_path.iterdir()) == [out]
 
 
 def test_export_a_checkpoint(

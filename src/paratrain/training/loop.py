@@ -306,7 +306,8 @@ def train(
     if timings is not None:
         timings.close()
     if directory is not None:  # every process: fsdp gathers the sharded weights
-        rt.save_weights(model, directory / rundir.WEIGHTS)
+        with rundir.full_disk_said(directory):
+            rt.save_weights(model, directory / rundir.WEIGHTS)
     if writer is not None and directory is not None:
         writer.close()
         _finish(rt, cfg, directory, summary)

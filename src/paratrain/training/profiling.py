@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from paratrain.training.run_files import PROFILE
+
 #: the folder of the run directory the traces go to
-PROFILE_DIR = "profile"
+PROFILE_DIR = PROFILE
 
 
 class StepProfiler:

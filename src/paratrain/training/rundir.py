@@ -6,31 +6,35 @@ model.safetensors  final weights, plain parameter names
 config.json        resolved configuration, devices, versions, status and summary
 checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.checkpoints.state)
 tensorboard/       TensorBoard event files (--tensorboard)
+profile/           profiler traces (--profile STEPS)
+
+Every name paratrain writes there is listed in :mod:`paratrain.training.run_files`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
-import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from paratrain.checkpoints.state.store import CHECKPOINTS, remove_checkpoints
-from paratrain.utils.atomic import atomic_write, atomic_write_text
+from paratrain.checkpoints.state.store import CHECKPOINTS, latest_checkpoint
+from paratrain.training.run_files import CONFIG as CONFIG
+from paratrain.training.run_files import METRICS as METRICS
+from paratrain.training.run_files import OWN_FILES as OWN_FILES
+from paratrain.training.run_files import TENSORBOARD as TENSORBOARD
+from paratrain.training.run_files import TIMINGS as TIMINGS
+from paratrain.training.run_files import WEIGHTS as WEIGHTS
+from paratrain.training.run_files import remove_previous_run
+from paratrain.utils.atomic import FULL, atomic_write, atomic_write_text, full_figures
 from paratrain.utils.errors import UserError
 from paratrain.version import __version__
-
-METRICS = "metrics.jsonl"
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-TIMINGS = "timings.jsonl"
-OWN_FILES = (METRICS, WEIGHTS, CONFIG, TIMINGS)
-TENSORBOARD = "tensorboard"
 
 
 def default_out(recipe: str) -> Path:
@@ -62,7 +66,8 @@ def read_config(directory: Path) -> dict[str, Any] | None:
 
 def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
     """Check and create the run directory. Refuses, touching nothing, to reuse one that
-    already holds a run unless ``overwrite``; then only paratrain's own files go."""
+    already holds a run unless ``overwrite``; then everything paratrain wrote there goes
+    (:func:`run_files.remove_previous_run`), and nothing else."""
     directory = Path(out) if out is not None else default_out(recipe)
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--out {directory} is a file, not a directory; choose another --out")
@@ -76,16 +81,38 @@ def prepare(out: str | Path | None, recipe: str, overwrite: bool) -> Path:
             f"--out {directory} already holds {what}{resume}; pass --overwrite to replace it "
             "or choose another --out"
         )
-    if status is not None:
-        for name in OWN_FILES:
-            (directory / name).unlink(missing_ok=True)
-        remove_checkpoints(directory)
-        shutil.rmtree(directory / TENSORBOARD, ignore_errors=True)
+    if overwrite and directory.is_dir():  # also what is left where no run is recognised
+        remove_previous_run(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create --out {directory}: {exc.strerror}") from None
     return directory
+
+
+@contextlib.contextmanager
+def full_disk_said(directory: Path, path: Path | None = None) -> Iterator[None]:
+    """A full disk while writing ``path`` of the run (its final weights by default) becomes
+    one line (``UserError``): the file, how much it needs and is free, and what to do. The
+    checkpoints are untouched and ``config.json`` still says ``running``: a ``--resume``
+    continues the run (and writes the final weights)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        what = f"the final weights {directory / WEIGHTS}" if path is None else str(path)
+        newest = latest_checkpoint(directory)
+        kept = (
+            f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
+            f"--resume {directory}{' to write them' if path is None else ''}"
+            if newest is not None
+            else "the run has no checkpoint: free space on that disk and train again"
+        )
+        raise UserError(
+            f"no space left on device while writing {what}: {full_figures(exc, directory)}; "
+            f"{kept}, or train with --out on another disk"
+        ) from None
 
 
 def versions() -> dict[str, str]:
@@ -122,11 +149,13 @@ class MetricsWriter:
             if path.exists():
                 atomic_write(path, lambda tmp: _write_lines(tmp, kept))
         self.lines = _count_lines(path)
+        self.path = path
         self._handle: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record, sort_keys=True) + "\n")
-        self._handle.flush()
+        with full_disk_said(self.path.parent, self.path):
+            self._handle.write(json.dumps(record, sort_keys=True) + "\n")
+            self._handle.flush()
         self.lines += 1
 
     def close(self) -> None:

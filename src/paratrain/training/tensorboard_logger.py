@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 import torch
 
+from paratrain.training.run_files import TENSORBOARD
 from paratrain.utils.errors import UserError
 from paratrain.utils.peak_memory import peak_memory_bytes
 
-TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_DIR = TENSORBOARD
 MISSING_TENSORBOARD = (
     'TensorBoard logging needs the tensorboard package: pip install "paratrain[tensorboard]"'
 )

@@ -1,9 +1,11 @@
 """Crash-safe file writes: a file is either complete under its name, or absent.
 
 A full disk is said in one line, ``no space left on device while writing PATH: N bytes
-needed, M free`` (an ``OSError`` with ``errno.ENOSPC``), and leaves nothing half-written:
-the temporary file goes, the previous file under the name stays. Where the size is known
-beforehand (``size``), the free space is checked before anything is written.
+needed, M free`` (a :class:`DiskFull`, an ``OSError`` with ``errno.ENOSPC``), and leaves
+nothing half-written: the temporary file goes, the previous file under the name stays.
+Where the size is known beforehand (``size``), the free space is checked before anything
+is written; a disk that fills up during the write says ``more than the M bytes free are
+needed`` (M: the free space once the part written is gone).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import os
 import shutil
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,12 +56,55 @@ def free_bytes(directory: Path) -> int | None:
         return None
 
 
-def no_space(path: Path, needed: int, free: int | None = None, at_least: bool = False) -> OSError:
-    """The one-line error of a full disk (``errno.ENOSPC``)."""
-    free = free_bytes(path.parent) if free is None else free
-    what = f"{'at least ' if at_least else ''}{needed:,} bytes needed"
+class DiskFull(OSError):
+    """A full disk (``errno.ENOSPC``, or ``EDQUOT``: a full quota), said in one line; keeps
+    the figures, so that a caller can say it again of what it was writing (a checkpoint
+    rather than one of its files)."""
+
+    path: Path
+    #: bytes the write takes (``at_least``: the bytes written when the disk was full)
+    needed: int
+    at_least: bool
+    free: int | None
+
+
+def space_figures(
+    needed: int | None, free: int | None, at_least: bool = False, quota: bool = False
+) -> str:
+    """``N bytes needed, M free``, the figures of a full disk's message (what is known).
+    ``quota``: the user's quota is full, which the free space does not show."""
     room = "free space unknown" if free is None else f"{free:,} free"
-    return OSError(errno.ENOSPC, f"no space left on device while writing {path}: {what}, {room}")
+    if quota:
+        room = f"{room} on the disk, but the quota is exceeded"
+    if needed is None:
+        return room
+    if at_least and not quota and free is not None and needed <= free:
+        # the disk filled up during the write (what was written is free again): more than
+        # all the free space is needed, which says more than the bytes written before
+        return f"more than the {free:,} bytes free are needed"
+    return f"{'at least ' if at_least else ''}{needed:,} bytes needed, {room}"
+
+
+def full_figures(exc: OSError, directory: Path) -> str:
+    """The figures of a full disk's error: those it carries, else the free space there."""
+    if isinstance(exc, DiskFull):
+        return space_figures(exc.needed, exc.free, exc.at_least, exc.errno == errno.EDQUOT)
+    return space_figures(None, free_bytes(directory))
+
+
+def no_space(
+    path: Path,
+    needed: int,
+    free: int | None = None,
+    at_least: bool = False,
+    code: int = errno.ENOSPC,
+) -> DiskFull:
+    """The one-line error of a full disk (``code``: ``errno.ENOSPC``, or ``EDQUOT``)."""
+    free = free_bytes(path.parent) if free is None else free
+    figures = space_figures(needed, free, at_least, code == errno.EDQUOT)
+    error = DiskFull(code, f"no space left on device while writing {path}: {figures}")
+    error.path, error.needed, error.at_least, error.free = path, needed, at_least, free
+    return error
 
 
 def check_space(path: Path, needed: int) -> None:
@@ -99,12 +145,27 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], size: int | No
     except BaseException as exc:
         full = is_disk_full(exc, path.parent)
         written = tmp.stat().st_size if full and tmp.exists() else 0
-        tmp.unlink(missing_ok=True)
         if full:
-            needed, at_least = (size, False) if size is not None else (written, True)
-            raise no_space(path, needed, at_least=at_least) from exc
+            _release_frames(exc)
+        tmp.unlink(missing_ok=True)
+        if full:  # during the write: the free space was checked (size), or not known
+            needed, at_least = max(size or 0, written), True
+            code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOSPC
+            raise no_space(path, needed, at_least=at_least, code=code) from exc
         raise
     fsync_dir(path.parent)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Clear the frames of ``exc`` and of the errors it arose from: a writer's open file they
+    hold (torch.save's zip writer, in an error of its ``__exit__``) keeps the temporary file's
+    space taken after it is deleted, and the free space said would be wrong."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

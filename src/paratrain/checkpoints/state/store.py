@@ -12,6 +12,8 @@ leaves a half-deleted ``step-N``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -21,7 +23,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from paratrain.checkpoints.state import manifest
-from paratrain.utils.atomic import FULL, atomic_write, check_space, fsync_dir
+from paratrain.utils.atomic import (
+    FULL,
+    DiskFull,
+    atomic_write,
+    check_space,
+    free_bytes,
+    fsync_dir,
+    space_figures,
+)
 from paratrain.utils.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -89,8 +99,9 @@ def write_checkpoint(
         atomic_write(tmp / manifest.MANIFEST, lambda path: _write_json(path, built))
         fsync_dir(tmp)
     except OSError as exc:
+        written = _bytes_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(_os_error(exc, final)) from None
+        raise UserError(_os_error(exc, final, size, written)) from None
     _stall_for_tests()
     if final.exists() or final.is_symlink():  # the same step saved again (a resumed run)
         old = root / f".{final.name}.old"
@@ -130,13 +141,42 @@ def _delete(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _os_error(exc: OSError, checkpoint: Path) -> str:
-    if exc.errno in FULL:
-        text = exc.strerror or str(exc)
-        if "no space left" in text:
-            return text
-        return f"no space left on device while writing {checkpoint}: {text}"
-    return f"cannot write {checkpoint}: {exc.strerror or exc}"
+def _os_error(exc: OSError, checkpoint: Path, size: int | None = None, written: int = 0) -> str:
+    """One line: the checkpoint (its final name, not a temporary file's), and for a full
+    disk how much it needs and is free, that the newest checkpoint is intact, what to do.
+    ``size``: the checkpoint's estimated bytes; ``written``: its bytes written when it failed."""
+    if exc.errno not in FULL:
+        return f"cannot write {checkpoint}: {exc.strerror or exc}"
+    root = checkpoint.parent
+    if isinstance(exc, DiskFull) and not exc.at_least:  # refused before writing
+        needed, at_least, free = exc.needed, False, exc.free
+    else:  # failed during the write: the estimate (a lower bound) or what was written
+        partial = written + (exc.needed if isinstance(exc, DiskFull) else 0)
+        needed, at_least = max(partial, size or 0), True
+        free = free_bytes(root if root.is_dir() else root.parent)  # with this one's gone
+    figures = space_figures(needed or None, free, at_least, exc.errno == errno.EDQUOT)
+    run_dir = root.parent
+    newest = latest_checkpoint(run_dir)
+    kept = (
+        f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
+        f"--resume {run_dir}"
+        if newest is not None
+        else "no checkpoint of this run is complete yet: free space on that disk and train again"
+    )
+    return (
+        f"no space left on device while writing checkpoint {checkpoint}: {figures}; {kept}, "
+        "or train with --out on another disk"
+    )
+
+
+def _bytes_under(directory: Path) -> int:
+    """The bytes of the files in ``directory`` (0 where it is gone)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for child in directory.iterdir():
+            with contextlib.suppress(OSError):
+                total += child.stat().st_size
+    return total
 
 
 def _write_json(path: Path, obj: object) -> None:

@@ -25,8 +25,9 @@ from paratrain.tools.export.torchao_api import (
     quantize,
     torchao_version,
 )
-from paratrain.training import rundir
+from paratrain.training import run_files, rundir
 from paratrain.training.recipes import get_recipe
+from paratrain.utils.atomic import FULL, full_figures
 from paratrain.utils.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -78,6 +79,16 @@ def locate_run(source: str | Path) -> Path:
     )
 
 
+def _full_disk(exc: OSError, target: Path) -> str:
+    """One line: the file, how much it needs and is free, what to do."""
+    figures = full_figures(exc, target.parent)
+    before = "; the file there before is intact" if target.exists() else ""
+    return (
+        f"no space left on device while writing {target}: {figures}{before}; free space on "
+        "that disk or pass --out FILE on another disk"
+    )
+
+
 def _weight_layers(model: nn.Module) -> int:
     return sum(
         1
@@ -100,7 +111,7 @@ def export_model(
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     run_dir = locate_run(source)
-    target = Path(out) if out is not None else run_dir / f"model-{scheme}.pt"
+    target = Path(out) if out is not None else run_dir / run_files.export_name(scheme)
     if target.is_dir():
         raise UserError(f"--out {target} is a directory; name a file")
     if target.exists() and not overwrite:
@@ -137,7 +148,12 @@ def export_model(
     before = figures("float32", model, saved_bytes(model))
     layers = quantizable(model)
     quantized = quantize(copy.deepcopy(model), scheme)
-    save_quantized(target, quantized, scheme, config, torchao_version())
+    try:
+        save_quantized(target, quantized, scheme, config, torchao_version())
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        raise UserError(_full_disk(exc, target)) from None
     after = figures(scheme, quantized, target.stat().st_size)
     reloaded = load_quantized(target, map_location=device)
     with torch.inference_mode():
