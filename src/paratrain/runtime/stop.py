@@ -50,5 +50,6 @@ class StopOnSignal:
         if self.rt.strategy.collective.is_main:
             print(message, file=sys.stderr, flush=True)
         self._stop = None
+        self.rt.nonfinite.agreement.stop = None  # acted on: a later loop runs on
         preemption.clear()
         raise preemption.Stopped(request, message)
