@@ -3,7 +3,9 @@ agreement (paratrain.runtime.agreement) carries the non-finite check, --oom auto
 out-of-memory flag and the stop on a signal. Counted with torch's profiler, which records
 every gloo collective with its shape, in one real run of `--strategy ddp --devices cpu,cpu`
 (two gloo processes): a user's loop (rt.backward, rt.should_stop), the same loop through
-rt.forward_backward with --oom auto, and `paratrain train`'s loop (--profile)."""
+rt.forward_backward with --oom auto, and `paratrain train`'s loop (--profile); and under
+`--strategy pipeline --devices cpu,cpu`, where the agreement also brings the last stage's
+loss to every process."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from paratrain.training.config import TrainConfig
 from paratrain.training.loop import train
 from paratrain.training.recipes import get_recipe
 
-AGREEMENT = 9  # the agreement's numbers (paratrain.runtime.agreement)
+AGREEMENT = 10  # the agreement's numbers (paratrain.runtime.agreement)
 GRADIENTS = 6 * 8 + 8 + 8 * 1 + 1  # the model's parameters: DDP's one bucket
 STEPS = 3
 
@@ -150,3 +152,38 @@ def test_one_process_agreement_needs_no_collective() -> None:
     collective = paratrain.Runtime(strategy="cpu").strategy.collective
     verdict = agreement.exchange(collective, 3, "here", bad=torch.tensor(True), failed=True)
     assert verdict.bad and verdict.failed and agreement.count == 0
+
+
+def _pipeline_run(rt: paratrain.Runtime) -> dict[str, Any]:
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(0)  # every stage gets the batch (rt.setup_loader)
+    x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 1, generator=generator)
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        optimizer.zero_grad()
+        losses.append(rt.forward_backward(model, nn.functional.mse_loss, x, y))
+        optimizer.step()
+        rt.should_stop()
+
+    counted = _profiled(step)
+    return {
+        "collectives": Counter({k: n for k, n in counted.items() if k[0] in _GROUP_WIDE}),
+        "losses": [rt.all_gather(loss.reshape(1)) for loss in losses],
+    }
+
+
+#: the collectives every process joins (a pipeline's stages also send to each other)
+_GROUP_WIDE = ("gloo:all_reduce", "gloo:broadcast", "gloo:all_gather", "gloo:barrier")
+
+
+def test_a_pipeline_step_pays_one_small_all_reduce_and_every_stage_has_the_loss() -> None:
+    """--strategy pipeline --devices cpu,cpu."""
+    rt = paratrain.Runtime(strategy="pipeline", devices="cpu,cpu", seed=0)
+    result = rt.launch(_pipeline_run)
+    assert result is not None
+    assert result["collectives"] == Counter({("gloo:all_reduce", AGREEMENT): STEPS})
+    for first, last in result["losses"]:
+        assert torch.equal(first, last) and torch.isfinite(first).all()
+    assert result["losses"][0][0] != result["losses"][-1][0]  # trained: the loss moved

@@ -1,5 +1,5 @@
 """The one small all-reduce of a training step: everything the processes must agree on
-before the backward pass, in one tensor of nine float64 numbers.
+before the backward pass, in one tensor of ten float64 numbers.
 
 Three agreements meet at that point of a step, and each used to cost an all-reduce of its
 own: whether a loss was NaN or infinite (:mod:`paratrain.runtime.nonfinite`), whether a
@@ -13,6 +13,7 @@ and whether a signal asked for a stop (:mod:`paratrain.launching.preemption`, re
 4       a process saw a non-finite loss
 5, 6    a process ran out of memory; the largest piece's samples
 7, 8    the stop: the signal's number, minus the time it arrived (earliest wins)
+9       ``pipeline``: the batch's loss, from the last stage (-inf from the others)
 ======  ==========================================================================
 
 A stop rides along with whatever agreement comes first; ``rt.should_stop()`` then reads the
@@ -20,11 +21,14 @@ last one instead of running its own all-reduce. A signal that arrives after a st
 agreement is therefore acted on one step later, on every process alike; only a
 ``should_stop()`` with no agreement since the previous one (before the first step, or a
 loop without ``rt.backward``) runs an agreement of its own. Who saw which non-finite loss
-or ran out of memory is asked only when one did (a second collective, rare).
+or ran out of memory is asked only when one did (a second collective, rare). Under
+``pipeline`` the step's agreement comes after its forward and backward (they run together)
+and also hands every process the last stage's loss, which used to be one more all-reduce.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +54,8 @@ class Verdict:
     samples: int = 0
     #: the stop a signal asked for, if any
     stop: preemption.Request | None = None
+    #: the finite value one process gave (a pipeline's loss); -inf if none did
+    value: float = -math.inf
 
 
 class StepAgreement:
@@ -70,19 +76,32 @@ class StepAgreement:
         bad: torch.Tensor | None = None,
         failed: bool = False,
         samples: int = 0,
+        value: torch.Tensor | None = None,
     ) -> Verdict:
         """One all-reduce (none for one process). ``bad``: this process's non-finite flag,
         on its device (no sync before the collective); ``here``: where this process is, for
-        the message when the processes are not all at the same point."""
+        the message when the processes are not all at the same point; ``value``: a number
+        that only this process has (one process gives it; a non-finite one is not passed)."""
         if collective.world_size == 1:
-            return Verdict(bad is not None and bool(bad), failed, samples, preemption.requested())
+            found = -math.inf if value is None else value.item()
+            return Verdict(
+                bad is not None and bool(bad),
+                failed,
+                samples,
+                preemption.requested(),
+                found if math.isfinite(found) else -math.inf,
+            )
         signum, minus_at = preemption.local_values()
         values = [_MARKER, -_MARKER, float(step), -float(step), 0.0]
-        values += [float(failed), float(samples), signum, minus_at]
-        device = bad.device if bad is not None else None
+        values += [float(failed), float(samples), signum, minus_at, -math.inf]
+        place = bad if bad is not None else value
+        device = None if place is None else place.device
         known = torch.tensor(values, dtype=torch.float64, device=device)
         if bad is not None:
             known[4] = bad.to(torch.float64)  # stays on the device
+        if value is not None:  # max would be undefined with a NaN: -inf stands for it
+            finite = value.detach().to(torch.float64)
+            known[9] = torch.where(torch.isfinite(finite), finite, -math.inf)
         told: list[float] = collective.all_reduce(known, "max").tolist()
         if told[:4] != [_MARKER, -_MARKER, float(step), -float(step)]:
             raise LaunchError(
@@ -92,4 +111,4 @@ class StepAgreement:
             )
         self.count += 1
         self.stop = preemption.settle(told[7], told[8])
-        return Verdict(told[4] > 0, told[5] > 0, int(told[6]), self.stop)
+        return Verdict(told[4] > 0, told[5] > 0, int(told[6]), self.stop, told[9])
