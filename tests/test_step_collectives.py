@@ -187,3 +187,33 @@ def test_a_pipeline_step_pays_one_small_all_reduce_and_every_stage_has_the_loss(
     for first, last in result["losses"]:
         assert torch.equal(first, last) and torch.isfinite(first).all()
     assert result["losses"][0][0] != result["losses"][-1][0]  # trained: the loss moved
+
+
+def _fsdp_run(rt: paratrain.Runtime) -> dict[str, Counter[tuple[str, int]]]:
+    model = _model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(rt.rank)
+    x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 1, generator=generator)
+
+    def step(stop: bool) -> None:
+        optimizer.zero_grad()
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        if stop:
+            rt.should_stop()
+
+    full = _profiled(lambda: step(True))
+    rt.nonfinite.policy = "off"  # no check, no stop: the gathers and gradients alone
+    return {"full": full, "bare": _profiled(lambda: step(False))}
+
+
+def test_an_fsdp_step_pays_one_small_all_reduce_besides_its_gathers() -> None:
+    """--strategy fsdp --devices cpu,cpu: the collectives of a step with the NaN check and
+    rt.should_stop, less those of the same step without them (fsdp's gathers and gradient
+    reductions), is one agreement."""
+    rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu", seed=0)
+    counted = rt.launch(_fsdp_run)
+    assert counted is not None
+    extra = counted["full"] - counted["bare"]
+    assert extra == Counter({("gloo:all_reduce", AGREEMENT): STEPS}), counted
+    assert not counted["bare"] - counted["full"], counted
