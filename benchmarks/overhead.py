@@ -5,6 +5,7 @@ Lightning Fabric when installed), same model and data on the CPU, interleaved ro
     pip install "paratrain[peers]"                # adds accelerate and fabric
     python benchmarks/overhead.py --rounds 30
     python benchmarks/overhead.py --collective-check   # ddp on cpu,cpu: the order check's cost
+    python benchmarks/overhead.py --ddp-step           # ddp on cpu,cpu: a step vs plain DDP
 
 Prints one line per contender: median step time, spread, and the ratio to plain PyTorch
 (wall clock; with one thread also by this process's CPU time, which a busy machine's waits
@@ -14,6 +15,10 @@ cut out of the TensorDataset by index); ``paratrain-loader`` keeps the DataLoade
 per-sample path, which shows the runtime's own cost. ``--collective-check`` instead trains
 ``ddp`` on two CPU processes with the collective order check
 (:mod:`paratrain.distributed.collective_order`) running and stopped, in interleaved rounds.
+``--ddp-step`` times, in the same two CPU processes, a step as ``paratrain train`` runs it
+(``rt.forward_backward`` under ``--oom auto``, ``optimizer.step()``, ``rt.should_stop()``)
+against plain DistributedDataParallel, and counts the small all-reduces of each (torch's
+profiler): run it with ``PYTHONPATH`` pointing at two versions of paratrain to compare them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,6 +181,82 @@ def collective_check(args: argparse.Namespace) -> None:
     print(f"{'ledger':>16}: {ledger * 1e6:.2f} us per collective ({ledger / base:.2%} of a step)")
 
 
+def _step_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
+    """In each ddp process: paratrain's step and plain DDP's on the same batches, in
+    interleaved rounds; and the small all-reduces of one paratrain step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    model, optimizer, _ = make_parts(batch, 1)
+    plain_model, plain_optimizer, _ = make_parts(batch, 1)
+    model, optimizer = rt.setup(model, optimizer)
+    plain = DistributedDataParallel(plain_model)
+    generator = torch.Generator().manual_seed(rt.rank)
+    local = batch // rt.world_size
+    data = [(torch.randn(local, 64, generator=generator), torch.randint(0, 10, (local,)))]
+    data *= steps
+    loss_fn = nn.CrossEntropyLoss()
+
+    def paratrain_epoch() -> None:
+        for x, y in data:
+            rt.forward_backward(model, loss_fn, x, y)
+            optimizer.step()
+            optimizer.zero_grad()
+            rt.should_stop()
+
+    def plain_epoch() -> None:
+        for x, y in data:
+            loss_fn(plain(x), y).backward()
+            plain_optimizer.step()
+            plain_optimizer.zero_grad()
+
+    epochs = {"paratrain": paratrain_epoch, "plain DDP": plain_epoch}
+    times: dict[str, list[float]] = {name: [] for name in epochs}
+    shuffler = random.Random(0)  # the same order on both processes
+    for round_index in range(warmup + rounds):
+        order = list(epochs)
+        shuffler.shuffle(order)
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            epochs[name]()
+            if round_index >= warmup:
+                times[name].append((time.perf_counter() - start) / steps)
+    small: dict[str, list[float]] = {}
+    for name, epoch in epochs.items():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            epoch()
+        sizes = [
+            torch.Size(e.input_shapes[0]).numel()
+            for e in prof.events()
+            if e.name == "gloo:all_reduce" and e.input_shapes and e.input_shapes[0]
+        ]
+        small[name] = [sum(size < 64 for size in sizes) / steps]  # the gradients: 85k numbers
+    return {"times": times, "small": small}
+
+
+def ddp_step(args: argparse.Namespace) -> None:
+    import paratrain
+
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", oom="auto")
+    found = rt.launch(_step_rounds, args.batch, args.steps, args.rounds, args.warmup)
+    assert found is not None
+    times, small = found["times"], found["small"]
+    print(
+        f"# {cpu_name()}, ddp on cpu,cpu (gloo), torch {torch.__version__}, paratrain "
+        f"{paratrain.__version__} from {Path(paratrain.__file__).parent}, batch {args.batch}, "
+        f"{args.steps} steps x {args.rounds} rounds"
+    )
+    base = statistics.median(times["plain DDP"])
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(
+            f"{name:>16}: median step {median * 1e6:8.1f} us (min {min(samples) * 1e6:.1f}), "
+            f"ratio {median / base:.3f}, small all-reduces per step {small[name][0]:g}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -185,10 +267,16 @@ def main() -> None:
     parser.add_argument(
         "--collective-check", action="store_true", help="ddp on cpu,cpu: check on vs off"
     )
+    parser.add_argument(
+        "--ddp-step", action="store_true", help="ddp on cpu,cpu: paratrain's step vs plain DDP"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.collective_check:
         collective_check(args)
+        return
+    if args.ddp_step:
+        ddp_step(args)
         return
 
     epochs: dict[str, EpochFn] = {}

@@ -21,6 +21,8 @@ import signal
 import time
 from typing import Any
 
+from paratrain.launching import preemption
+
 FAULT_VARIABLE = "PARATRAIN_TEST_FAULT"
 _SIGNALS = ("sigterm", "sigusr1", "sigint", "launcher-sigterm", "launcher-sigint")
 _KINDS = ("kill", "stall", "nan", *_SIGNALS)
@@ -61,6 +63,21 @@ def at_step(rank: int, step: int, loss: Any) -> Any:
             _faults().remove(fault)  # once: each micro-batch of a step comes here
             target = os.getppid() if kind.startswith("launcher-") else os.getpid()
             os.kill(target, getattr(signal, kind.removeprefix("launcher-").upper()))
+            if target != os.getpid():
+                _await_forwarded()
         else:
             loss = loss * float("nan")
     return loss
+
+
+#: seconds a rank waits for the signal it sent its launcher to come back
+FORWARD_WAIT_SECONDS = 10.0
+
+
+def _await_forwarded() -> None:
+    """Wait until the launcher passed the signal on to this process, as a signal sent to
+    the rank itself would be there at once: the step's agreement (before its backward)
+    then carries it, and the run stops after this step, not one later."""
+    deadline = time.monotonic() + FORWARD_WAIT_SECONDS
+    while preemption.requested() is None and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -113,18 +113,29 @@ def requested() -> Request | None:
 
 def agree(collective: Collective) -> Request | None:
     """The stop every process agrees on, or None: one small all-reduce when there are
-    several processes. Every process must call it at the same points."""
-    global _request
+    several processes. Every process must call it at the same points. (The runtime carries
+    the same two numbers in its step's all-reduce instead: :func:`local_values`, :func:`settle`.)"""
     watch()
     if collective.world_size == 1:
         return _request
     import torch
 
-    mine = _request
-    values = torch.tensor(
-        [float(mine.signum), -mine.at] if mine else [0.0, -math.inf], dtype=torch.float64
-    )
+    values = torch.tensor(local_values(), dtype=torch.float64)
     signum, minus_at = collective.all_reduce(values, "max").tolist()
+    return settle(signum, minus_at)
+
+
+def local_values() -> tuple[float, float]:
+    """This process's part of the agreement, reduced with max over the processes: the
+    signal's number (0: none) and minus the time it arrived (the earliest wins)."""
+    mine = _request
+    return (float(mine.signum), -mine.at) if mine else (0.0, -math.inf)
+
+
+def settle(signum: float, minus_at: float) -> Request | None:
+    """The request the processes agreed on from :func:`local_values` reduced with max;
+    a process that saw no signal takes it as its own."""
+    global _request
     if signum == 0:
         return None
     if _request is None:

@@ -275,7 +275,9 @@ class Runtime:
         """Whether to stop after this step because SIGTERM, SIGUSR1 or Ctrl-C reached any
         process (:mod:`paratrain.launching.preemption`). Call it on every process at the same
         points,
-        once per optimizer step: the processes agree with one small all-reduce. The first
+        once per optimizer step: the processes agree in the step's own small all-reduce (a
+        signal that arrives after it stops every process one step later), or in one of its
+        own when no step ran since the last call. The first
         call installs the signal handlers; a second Ctrl-C still stops at once."""
         self._connect()
         return self._groups.stop.agree()

@@ -3,10 +3,12 @@ rank and the step.
 
 ``rt.backward(loss)`` asks :meth:`NonFiniteCheck.admit` before the backward pass of every
 micro-batch. Once per optimizer step (before the backward of the micro-batch that ends it,
-so before the gradients are all-reduced) the ranks agree with one all-reduce of three
-float64 numbers: a marker, how many ranks saw a non-finite loss, and the step. That is the
-cost of the check: one small collective per optimizer step (and, on a GPU, reading one
-number back). Only when a rank saw one does a second collective find which ranks.
+so before the gradients are all-reduced) the ranks agree with one all-reduce of a few
+float64 numbers: a marker, whether a rank saw a non-finite loss, and the step, in the step's
+one small all-reduce, which ``--oom auto`` and ``rt.should_stop()`` share
+(:mod:`paratrain.runtime.agreement`). That is the cost of the check: one small collective
+per optimizer step (and, on a GPU, reading it back). Only when a rank saw one does a second
+collective find which ranks.
 
 Policies (``PARATRAIN_NONFINITE``, or ``--skip-nonfinite``):
 
@@ -32,15 +34,16 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from paratrain.distributed.collective import Collective
-from paratrain.utils.errors import LaunchError, NonFiniteLossError, UserError
+from paratrain.runtime.agreement import BEFORE_COLLECTIVE, StepAgreement
+from paratrain.utils.errors import NonFiniteLossError, UserError
 
 POLICY_VARIABLE = "PARATRAIN_NONFINITE"
 POLICIES = ("error", "skip", "off")
-_MARKER = 7919.0  # a prime: a sum of other numbers is unlikely to hit a multiple of it
 
 
 def policy_from_env() -> str:
@@ -48,6 +51,18 @@ def policy_from_env() -> str:
     if policy not in POLICIES:
         raise UserError(f"{POLICY_VARIABLE}={policy!r}: use one of {', '.join(POLICIES)}")
     return policy
+
+
+@dataclass(frozen=True)
+class Look:
+    """One micro-batch's loss seen by this process alone, before the processes agree."""
+
+    step: int
+    ends_step: bool
+    #: this process's non-finite flag, to agree on now (None: nothing to agree on)
+    bad: torch.Tensor | None = None
+    #: the flag of the step's earlier micro-batches, kept for its last one
+    keep: torch.Tensor | None = None
 
 
 class NonFiniteCheck:
@@ -65,61 +80,65 @@ class NonFiniteCheck:
         #: so each rank checks only its own loss and fails alone
         self.local_only = False
         self._pending: torch.Tensor | None = None  # earlier micro-batches of this step
+        #: the step's one small all-reduce, which this check shares with --oom auto and
+        #: rt.should_stop (:mod:`paratrain.runtime.agreement`)
+        self.agreement = StepAgreement()
 
     def admit(self, loss: torch.Tensor, collective: Collective, ends_step: bool) -> bool:
         """Whether this micro-batch's backward runs; raises under the ``error`` policy."""
+        look = self.look(loss, collective, ends_step)
+        bad = False
+        if look.bad is not None:
+            here = f"at training step {look.step}"
+            bad = self.agreement.exchange(collective, look.step, here, bad=look.bad).bad
+        return self.settle(look, collective, bad)
+
+    def look(self, loss: torch.Tensor, collective: Collective, ends_step: bool) -> Look:
+        """This process's part: changes nothing until :meth:`settle` (a piece that ran out
+        of memory somewhere is redone and looked at again)."""
         step = self.step + 1
-        if ends_step:
-            self.step = step
-        self.skipped = False
         if self.policy == "off":
-            return True
+            return Look(step, ends_step)
         if (
             collective.world_size == 1
             and self._pending is None
             and loss.is_cpu  # reading it costs no device sync (no torch.device made)
             and math.isfinite(loss.item())
         ):
-            return True  # one process, a finite loss: nothing to agree on, no tensor to make
+            return Look(step, ends_step)  # one process, a finite loss: no tensor to make
         bad = ~torch.isfinite(loss.detach())
-        if self.policy == "error" and not ends_step:
-            self._pending = bad if self._pending is None else self._pending | bad
-            return True
         if self._pending is not None:
-            bad, self._pending = bad | self._pending, None
+            bad = bad | self._pending
+        if self.policy == "error" and not ends_step:
+            return Look(step, ends_step, keep=bad)
         if self.local_only:
             if bool(bad):
                 raise NonFiniteLossError(_message(str(collective.rank), step, self.policy))
+            return Look(step, ends_step)
+        return Look(step, ends_step, bad=bad)
+
+    def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
+        """After the processes agreed that ``bad`` (some process saw a non-finite loss):
+        whether the backward runs; raises under the ``error`` policy."""
+        if look.ends_step:
+            self.step = look.step
+        self._pending = look.keep
+        self.skipped = False
+        if look.bad is None or not bad:
             return True
-        known = loss.new_tensor([_MARKER, 0.0, float(step)], dtype=torch.float64)
-        known[1] = bad.to(torch.float64)  # stays on the device: no sync before the collective
-        verdict = self._exchange(collective, known, f"at training step {step}")
-        if verdict[1] == 0:
-            return True
-        flags = collective.all_gather(bad.reshape(1).to(torch.uint8))
+        flags = collective.all_gather(look.bad.reshape(1).to(torch.uint8))
         ranks = ", ".join(str(rank) for rank, flag in enumerate(flags) if bool(flag))
         if self.policy == "error":
-            raise NonFiniteLossError(_message(ranks, step, self.policy))
-        collective.note(f"paratrain: note: {_message(ranks, step, self.policy)}")
+            raise NonFiniteLossError(_message(ranks, look.step, self.policy))
+        collective.note(f"paratrain: note: {_message(ranks, look.step, self.policy)}")
         self.skipped = True
         return False
 
     def agree(self, collective: Collective, what: str) -> None:
         """Before a collective of the user's: check that every rank is at one too."""
         if collective.world_size > 1 and not self.local_only:
-            known = torch.tensor([_MARKER, 0.0, -1.0], dtype=torch.float64)
-            self._exchange(collective, known, f"in rt.{what} after {self.step} training steps")
-
-    def _exchange(self, collective: Collective, known: torch.Tensor, here: str) -> list[float]:
-        verdict: list[float] = collective.all_reduce(known, "sum").tolist()
-        world = collective.world_size
-        if verdict[0] != _MARKER * world or verdict[2] != known[2].item() * world:
-            raise LaunchError(
-                f"rank {collective.rank} is {here}, but not every rank is: the ranks ran "
-                "different numbers of batches. Give every rank the same number of batches "
-                "(rt.setup_loader does), or wrap the loop in `with rt.join(model):`"
-            )
-        return verdict
+            here = f"in rt.{what} after {self.step} training steps"
+            self.agreement.exchange(collective, BEFORE_COLLECTIVE, here)
 
 
 def _message(ranks: str, step: int, policy: str) -> str:

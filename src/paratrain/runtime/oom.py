@@ -6,8 +6,9 @@ share of the micro-batch: the sum of the pieces' gradients is the micro-batch's 
 a step with pieces is the same step (the same global batch), only slower.
 
 After each piece's forward, before its backward, every process joins one small all-reduce
-(a flag per rank) saying whether it ran out of memory; a process that did still joins it,
-so no process waits in another collective. If any did, every process drops that piece
+saying whether it ran out of memory (the step's agreement, which also carries the
+non-finite check and the stop: :mod:`paratrain.runtime.agreement`); a process that did still
+joins it, so no process waits in another collective. If any did, every process drops that piece
 (its forward touched no gradient), restores what the forward changed (random generators,
 BatchNorm statistics), doubles ``split`` and redoes the rest of the micro-batch with pieces
 half as large. The main process notes it once; the loop saves ``split`` in its checkpoints
@@ -141,20 +142,13 @@ class MicroBatches:
     def active(self) -> bool:
         return self.mode == "auto"
 
-    def any_failed(
-        self, collective: Collective, failed: bool, device: torch.device, samples: int
-    ) -> tuple[list[int], int] | None:
-        """Every process says whether it ran out and how many samples its piece had: None
-        if none ran out, else the ranks that did and the largest piece."""
-        world = collective.world_size
-        if world == 1:
-            return ([0], samples) if failed else None
-        known = torch.zeros(2 * world, dtype=torch.float64, device=device)
-        known[collective.rank] = float(failed)
-        known[world + collective.rank] = float(samples)
-        told = collective.all_reduce(known, "sum").tolist()
-        ranks = [rank for rank in range(world) if told[rank]]
-        return (ranks, int(max(told[world:]))) if ranks else None
+    def failed_ranks(self, collective: Collective, failed: bool) -> list[int]:
+        """After the step's agreement said that a process ran out of memory
+        (:mod:`paratrain.runtime.agreement`): which ones (a second collective, rare)."""
+        if collective.world_size == 1:
+            return [collective.rank]
+        flags = collective.all_gather(torch.tensor([failed], dtype=torch.uint8))
+        return [rank for rank, flag in enumerate(flags) if bool(flag)]
 
     def halve(self, collective: Collective, ranks: list[int], samples: int, step: int) -> None:
         """Double ``split`` after ``ranks`` ran out with pieces of ``samples`` samples."""

@@ -72,12 +72,28 @@ class PieceStep:
             snapshot = Snapshot.take(model, device)
             with strategy.no_sync(model) if quiet else contextlib.nullcontext():
                 loss, failed = self._forward(model, loss_fn, inputs, target, cut_at, step)
-                with heartbeat.waiting():  # waits on the other processes: not a hang here
-                    verdict = self.micro_batches.any_failed(collective, failed, device, end - start)
-                if verdict is None and loss is not None:
+                look = None
+                if loss is not None:
                     loss = faults.at_step(collective.rank, step, loss)
+                    look = self.nonfinite.look(loss, collective, ends_step and last)
+                # one all-reduce: out of memory anywhere, a non-finite loss, a stop
+                with heartbeat.waiting():  # waits on the other processes: not a hang here
+                    agreed = self.nonfinite.agreement.exchange(
+                        collective,
+                        step,
+                        f"at training step {step}",
+                        bad=None if look is None else look.bad,
+                        failed=failed,
+                        samples=end - start,
+                    )
+                verdict = None
+                if agreed.failed:
+                    ranks = self.micro_batches.failed_ranks(collective, failed)
+                    verdict = (ranks, agreed.samples)
+                else:
+                    assert look is not None and loss is not None  # no process failed
                     with heartbeat.waiting():
-                        admitted = self.nonfinite.admit(loss, collective, ends_step and last)
+                        admitted = self.nonfinite.settle(look, collective, agreed.bad)
                         weight = accumulation.loss_weight / accumulation.steps * share
                         communicates = collective.world_size > 1 and (
                             syncs or strategy.collective_forward
@@ -87,6 +103,7 @@ class PieceStep:
                             model, loss * weight, communicates, nothing_before
                         ):
                             verdict = ([collective.rank], end - start)
+                            self.nonfinite.step = step - 1  # the step is not done: redone
             if verdict is not None:  # out of memory: every process redoes the piece
                 loss = None
                 snapshot.restore(device)

@@ -4,6 +4,7 @@ the pieces of ``--oom auto`` and the pipeline's joint forward and backward."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,14 +47,28 @@ class TrainingStep:
         self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, target: Any
     ) -> torch.Tensor:
         rt = self.rt
-        accumulation = rt.accumulation
+        accumulation, collective = rt.accumulation, rt.strategy.collective
         ends_step = accumulation.next_is_last()
         scale = accumulation.loss_weight / accumulation.steps
+        step = rt.nonfinite.step + 1
         with heartbeat.waiting():
-            loss = rt.strategy.train_step(model, inputs, target, loss_fn, scale)
-            loss = faults.at_step(rt.strategy.collective.rank, rt.nonfinite.step + 1, loss)
+            part = rt.strategy.train_step(model, inputs, target, loss_fn, scale)
+            # the last stage has the loss; another judges its own part, nothing but a fault
+            mine = part if part is not None else torch.zeros((), device=rt.strategy.root_device)
+            mine = faults.at_step(collective.rank, step, mine)
+            look = rt.nonfinite.look(mine, collective, ends_step)
+            # the step's one small all-reduce brings the loss to every process as well
+            agreed = rt.nonfinite.agreement.exchange(
+                collective,
+                step,
+                f"at training step {step}",
+                bad=look.bad if look.bad is not None else ~torch.isfinite(mine),
+                value=None if part is None else mine,
+            )
+            value = math.nan if agreed.bad else agreed.value
+            loss = torch.tensor(value, dtype=torch.float32, device=mine.device)
             # the gradients are there already: a skipped micro-batch's are dropped
-            if not rt.nonfinite.admit(loss, rt.strategy.collective, ends_step):
+            if not rt.nonfinite.settle(look, collective, agreed.bad):
                 model.zero_grad(set_to_none=True)
         accumulation.micro_batch_done()
         return loss

@@ -1,5 +1,8 @@
 """The runtime's stop on a signal (``rt.should_stop``, ``rt.exit_stopped``): the request
-the processes agreed on, kept between the two calls (:mod:`paratrain.launching.preemption`)."""
+the processes agreed on, kept between the two calls (:mod:`paratrain.launching.preemption`).
+Under several processes the agreement is the one the step already ran (its one small
+all-reduce, :mod:`paratrain.runtime.agreement`); only a call with none since the previous one
+runs its own."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from paratrain.launching import preemption
+from paratrain.runtime.agreement import BEFORE_STOP
 from paratrain.runtime.parts import RuntimeView
 from paratrain.utils.errors import UserError
 
@@ -20,9 +24,21 @@ class StopOnSignal:
     def __init__(self, rt: RuntimeView) -> None:
         self.rt = rt
         self._stop: preemption.Request | None = None
+        self._seen = 0  # the step agreements counted at the last call
 
     def agree(self) -> bool:
-        self._stop = preemption.agree(self.rt.strategy.collective)
+        collective = self.rt.strategy.collective
+        if collective.world_size == 1:
+            self._stop = preemption.agree(collective)
+            return self._stop is not None
+        preemption.watch()  # the first call installs the handlers
+        agreement = self.rt.nonfinite.agreement
+        if agreement.count == self._seen:  # none since the last call: one of its own
+            here = f"in rt.should_stop after {self.rt.nonfinite.step} training steps"
+            agreement.exchange(collective, BEFORE_STOP, here)
+        # else the step's agreement carried the stop (paratrain.runtime.agreement)
+        self._seen = agreement.count
+        self._stop = agreement.stop
         return self._stop is not None
 
     def exit(self, checkpoint: str | os.PathLike[str] | None, step: int | None) -> NoReturn:
@@ -34,5 +50,6 @@ class StopOnSignal:
         if self.rt.strategy.collective.is_main:
             print(message, file=sys.stderr, flush=True)
         self._stop = None
+        self.rt.nonfinite.agreement.stop = None  # acted on: a later loop runs on
         preemption.clear()
         raise preemption.Stopped(request, message)

@@ -136,9 +136,10 @@ class Strategy(ABC):
         target: Any,
         loss_fn: Callable[..., torch.Tensor],
         scale: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Forward and backward of one batch together, for ``trains_in_pipeline``
-        strategies; returns the batch's mean loss on every process."""
+        strategies; returns the batch's mean loss on the process that computed it, None on
+        the others (the runtime shares it with every process)."""
         raise NotImplementedError(f"{self.name} trains with model(x) and rt.backward")
 
     def wrap_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -127,7 +127,7 @@ class PipelineStrategy(DDPStrategy):
 
     def train_step(
         self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, scale: float
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         if not isinstance(model, PipelinedModel):
             raise UserError(
                 "rt.forward_backward under --strategy pipeline needs the model rt.setup returned"

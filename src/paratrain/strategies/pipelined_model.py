@@ -76,10 +76,11 @@ class PipelinedModel(nn.Module):
     # -- training ----------------------------------------------------------------------------
     def train_step(
         self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, scale: float = 1.0
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Forward and backward of one batch through every stage, in micro-batches. Returns
-        the batch's mean loss (the last stage's) on every process. Gradients are those of
-        ``scale`` x the batch's mean loss, whatever the micro-batch sizes."""
+        the batch's mean loss on the last stage, None on the others: the runtime shares it
+        in the step's one small all-reduce (:mod:`paratrain.runtime.agreement`). Gradients
+        are those of ``scale`` x the batch's mean loss, whatever the micro-batch sizes."""
         rows = int(inputs.shape[0])
         micro = _micro_batches(rows, self.microbatches)
         schedule = self._schedule(rows, micro)
@@ -92,11 +93,12 @@ class PipelinedModel(nn.Module):
                 schedule.step(target=target, losses=losses)
             else:
                 schedule.step()
-        mine = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if self.is_last and scale:
+        if not self.is_last:
+            return None
+        mine = torch.zeros((), dtype=torch.float32, device=self.device)
+        if scale:
             mine += torch.stack(losses).detach().sum().float() / scale
-        dist.all_reduce(mine)  # the last stage's loss, on every process
-        return mine[0]
+        return mine
 
     def _schedule(self, rows: int, micro: int) -> Any:
         """One schedule per batch and micro-batch size: a stage learns the shapes it sends
