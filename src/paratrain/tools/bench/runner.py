@@ -124,7 +124,8 @@ class BenchReport:
 
 #: called with (what is running now, how many steps of the bench are done, how many in all)
 ProgressFn = Callable[[str, int, int], None]
-#: a clear loser is stopped after this many windows at the earliest
+#: a clear loser is stopped after this many windows at the earliest (and never before half
+#: of its windows: its figure stays a median of several)
 EARLIEST_STOP = 3
 #: windows added for the two leaders when their first ones are within noise of each other
 EXTRA_WINDOWS = 2
@@ -271,7 +272,7 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
             busy.append(load_sample())
             speeds = {r.combo.label: _speeds(r, settings.steps) for r in alive}
             # from the third window on: two windows of a busy machine can mislead
-            early = EARLIEST_STOP <= round_ + 1 < settings.repeats
+            early = max(EARLIEST_STOP, settings.repeats // 2) <= round_ + 1 < settings.repeats
             losers = clear_losers(speeds) if early else []
             for result in [r for r in alive if r.combo.label in losers]:
                 result.stopped_early = True
