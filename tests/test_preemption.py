@@ -107,9 +107,7 @@ def test_a_signal_at_a_random_step_then_the_same_command_ends_bit_identical(
     assert "another configuration: --lr 0.5 (the run: 0.02); --seed 4 (the run: 3)" in err, err
 
 
-def test_fresh_moves_the_old_run_aside(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_fresh_moves_the_old_run_aside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text('{"status": "running", "config": {}}')

@@ -81,6 +81,7 @@ def test_one_task_per_node_or_per_process_and_nothing_else(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from paratrain.cli.commands.launch_options import slurm_nodes
+
     args = type("Args", (), {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})()
     args.max_restarts, args.requeue = 0, False
     for key, value in _step(SLURM_TASKS_PER_NODE="1(x2)", SLURM_NTASKS="2").items():

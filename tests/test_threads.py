@@ -230,7 +230,6 @@ def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(
 
     from conftest import subprocess_env
 
-
     for argv0, command in (("-m", True), ("/usr/bin/paratrain", True), ("train.py", False)):
         monkeypatch.setattr(sys, "argv", [argv0])
         assert wait_policy.is_the_command() is command

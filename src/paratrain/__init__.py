@@ -62,6 +62,8 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
 # pickled by name, as plain modules are (Ray ships a trainable that refers to paratrain)
 def _by_name(module: _Package) -> tuple[Any, tuple[str]]:
     return importlib.import_module, (module.__name__,)

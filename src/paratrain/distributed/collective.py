@@ -21,6 +21,7 @@ ReduceOp = str  # "sum" | "mean" | "max" | "min"
 #: one shared do-nothing context (it holds no state): no object made per step
 _NOTHING = contextlib.nullcontext()
 
+
 class Collective:
     """Collectives of a one-process run: every operation returns its input."""
 

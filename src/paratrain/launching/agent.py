@@ -252,6 +252,7 @@ def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:
     if silent:
         return f"rank {silent[0]} died (killed, or exited without an error)"
     if raised:
+
         def when(rank: int) -> float:
             return float(raised[rank].read_text(encoding="utf-8").partition("\n")[0] or 0)
 

@@ -202,9 +202,10 @@ def with_activation_checkpointing(combos: Sequence[Combo]) -> list[Combo]:
     result: list[Combo] = []
     for combo in combos:
         result.append(combo)
-        if combo.skip_reason is None and strategy_class(
-            combo.strategy
-        ).allows_activation_checkpointing:
+        if (
+            combo.skip_reason is None
+            and strategy_class(combo.strategy).allows_activation_checkpointing
+        ):
             result.append(replace(combo, activation_checkpointing=True))
     return result
 
