@@ -97,8 +97,9 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
 
 @pytest.mark.slow
 def test_out_of_memory_is_a_result_and_the_rest_still_runs(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
     script = tmp_path / "hungry.py"
     script.write_text(HUNGRY_SCRIPT)
     out = tmp_path / "bench"

@@ -134,6 +134,7 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
     }
     _FakeWorker.calls = []
     monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
     settings = runner.BenchSettings(
         TaskSource(recipe="digits"), ["cpu", "ddp"], ["32"], [16, 32], "cpu,cpu", steps=4
     )
