@@ -29,19 +29,22 @@ RECIPE = "test-dropout"
 CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train there
 
 
-def _draws() -> tuple[float, float, torch.Tensor]:
-    return random.random(), float(np.random.rand()), torch.rand(3)
+def _draws() -> tuple[float, float, float, float, torch.Tensor]:
+    """One draw of each generator; the gaussians use the one each generator has cached."""
+    python = (random.random(), random.gauss(0, 1))
+    return *python, float(np.random.rand()), float(np.random.randn()), torch.rand(3)
 
 
 def test_generator_states_come_back_exactly() -> None:
     torch.manual_seed(3)
-    random.gauss(0, 1)  # leaves a cached gaussian in Python's generator
+    random.gauss(0, 1)  # leaves a cached gaussian in Python's generator...
+    np.random.randn()  # ...and in NumPy's
     state = capture_rng([torch.device("cpu")])
     first = _draws()
     _draws()
     restore_rng(state, [torch.device("cpu")])
     again = _draws()
-    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+    assert first[:4] == again[:4] and torch.equal(first[4], again[4])
 
 
 def test_generator_state_survives_a_weights_only_file(tmp_path: Path) -> None:
@@ -49,7 +52,7 @@ def test_generator_state_survives_a_weights_only_file(tmp_path: Path) -> None:
     expected = _draws()
     restore_rng(read_torch(tmp_path / "rng.pt"))
     got = _draws()
-    assert expected[:2] == got[:2] and torch.equal(expected[2], got[2])
+    assert expected[:4] == got[:4] and torch.equal(expected[4], got[4])
 
 
 def _write(run: Path, step: int, keep: int = 3) -> Path:
