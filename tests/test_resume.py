@@ -18,7 +18,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.checkpoints.files.readers import read_torch
-from paratrain.checkpoints.state import capture_rng, list_checkpoints, manifest, restore_rng
+from paratrain.checkpoints.state import (
+    CHECKPOINTS,
+    Checkpointer,
+    Position,
+    ProcessLayout,
+    TrainingParts,
+    capture_rng,
+    list_checkpoints,
+    load_checkpoint,
+    manifest,
+    restore_rng,
+)
 from paratrain.checkpoints.state.store import latest_checkpoint, write_checkpoint
 from paratrain.cli.main import main
 from paratrain.training import recipes
@@ -168,7 +179,29 @@ def _save_and_load_in_each_process(rt: paratrain.Runtime, path: str) -> list[lis
     same = torch.equal(fresh.weight, model.module.weight)
     lr = fresh_optimizer.param_groups[0]["lr"]
     mine = torch.tensor([*expected, *got, float(same), float(state["step"]), lr])
+    mine = torch.cat([mine, _checkpoint_in_each_process(rt, model, optimizer, Path(path))])
     return [t.tolist() for t in rt.all_gather(mine)]
+
+
+def _checkpoint_in_each_process(
+    rt: paratrain.Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+) -> torch.Tensor:
+    """The training loop's checkpoint: each process's generators and running loss come back
+    to that process. Returns draws after the save and after the load, the loss sum, samples
+    and step."""
+    cfg = TrainConfig(recipe="linear").resolved(recipes.get_recipe)
+    layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
+    run = path.parent / "run"
+    parts = TrainingParts(model, optimizer)
+    saver = Checkpointer(layout, run, cfg, parts, 10, Position(), background=False)
+    torch.manual_seed(200 + rt.rank)
+    saver.save(0, 4, 4, loss_sum=float(rt.rank + 1), samples=10 + rt.rank)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    fresh = nn.Linear(3, 2)
+    parts = TrainingParts(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    at = load_checkpoint(layout, run / CHECKPOINTS / "step-000004", parts, 10)
+    return torch.tensor([*expected, *torch.rand(2), at.loss_sum, at.samples, at.step])
 
 
 def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
@@ -178,8 +211,11 @@ def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
     (r0, r1) = result
     assert r0[:2] != r1[:2]  # different generator states...
     assert r0[:2] == r0[2:4] and r1[:2] == r1[2:4]  # ...each restored in its own process
-    assert r0[4:] == r1[4:] == [1.0, 7.0, 0.5]
-    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+    assert r0[4:7] == r1[4:7] == [1.0, 7.0, 0.5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "state.pt"]
+    # the loop's checkpoint: rng-rank{R}.pt of each process restored in that process
+    assert r0[7:9] != r1[7:9] and r0[7:9] == r0[9:11] and r1[7:9] == r1[9:11]
+    assert r0[11:] == [1.0, 10.0, 4.0] and r1[11:] == [2.0, 11.0, 4.0]
 
 
 # -- paratrain train --resume ----------------------------------------------------------------
