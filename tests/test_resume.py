@@ -194,6 +194,7 @@ def _checkpoint_in_each_process(
     run = path.parent / "run"
     parts = TrainingParts(model, optimizer)
     saver = Checkpointer(layout, run, cfg, parts, 10, Position(), background=False)
+    saver.last_metrics = {"train_loss": 0.25}
     torch.manual_seed(200 + rt.rank)
     saver.save(0, 4, 4, loss_sum=float(rt.rank + 1), samples=10 + rt.rank)
     expected = torch.rand(2)
@@ -204,7 +205,9 @@ def _checkpoint_in_each_process(
     return torch.tensor([*expected, *torch.rand(2), at.loss_sum, at.samples, at.step])
 
 
-def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
+def test_rt_save_and_load_with_two_processes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
     result = rt.launch(_save_and_load_in_each_process, str(tmp_path / "state.pt"))
     assert result is not None
@@ -216,6 +219,19 @@ def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
     # the loop's checkpoint: rng-rank{R}.pt of each process restored in that process
     assert r0[7:9] != r1[7:9] and r0[7:9] == r0[9:11] and r1[7:9] == r1[9:11]
     assert r0[11:] == [1.0, 10.0, 4.0] and r1[11:] == [2.0, 11.0, 4.0]
+    # that checkpoint in one process: the epoch's running loss of both goes to rank 0
+    one = paratrain.Runtime(strategy="cpu", seed=0)
+    layout = ProcessLayout(one.strategy.collective, one.strategy.devices, one.strategy.name)
+    checkpoint = tmp_path / "run" / CHECKPOINTS / "step-000004"
+    fresh = nn.Linear(3, 2)
+    parts = TrainingParts(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    with pytest.raises(UserError, match="10 batches per epoch, this run has 9: the data set"):
+        load_checkpoint(layout, checkpoint, parts, 9)
+    capsys.readouterr()
+    at = load_checkpoint(layout, checkpoint, parts, 10)
+    assert "saved by 2 process(es), this run has 1" in capsys.readouterr().err
+    assert (at.loss_sum, at.samples, at.step) == (3.0, 21, 4)
+    assert at.last_metrics == {"train_loss": 0.25}  # a run resumed at its end still reports it
 
 
 # -- paratrain train --resume ----------------------------------------------------------------
