@@ -232,6 +232,10 @@ def test_rt_save_and_load_with_two_processes(
     assert "saved by 2 process(es), this run has 1" in capsys.readouterr().err
     assert (at.loss_sum, at.samples, at.step) == (3.0, 21, 4)
     assert at.last_metrics == {"train_loss": 0.25}  # a run resumed at its end still reports it
+    with (checkpoint / "optimizer.pt").open("ab") as file:
+        file.write(b"x")  # damaged after the CLI checked it, or never checked (a library call)
+    with pytest.raises(UserError, match=r"optimizer\.pt has \d+ bytes"):
+        load_checkpoint(layout, checkpoint, parts, 10)
 
 
 # -- paratrain train --resume ----------------------------------------------------------------
