@@ -129,7 +129,7 @@ def test_ddp_killed_during_training_resumes_bit_identical(tmp_path: Path) -> Non
     _run("--out", str(reference), *SETTINGS, *DDP)
     run = tmp_path / "run"
     _kill_when(run, lambda: bool(list_checkpoints(run)), *SETTINGS, *DDP)
-    (checkpoint,) = list_checkpoints(run)
+    checkpoint = list_checkpoints(run)[-1]  # a busy machine may write one more before the kill
     assert read_state(checkpoint)["world_size"] == 2
     assert {p.name for p in checkpoint.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
     one = tmp_path / "one-process"

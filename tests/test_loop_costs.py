@@ -13,7 +13,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain.checkpoints.state import Checkpointer, Position, ProcessLayout, TrainingParts
+from paratrain.checkpoints.state import (
+    Checkpointer,
+    Position,
+    ProcessLayout,
+    TrainingParts,
+    snapshot,
+)
 from paratrain.checkpoints.state.background import BackgroundWriter, detached_copy
 from paratrain.cli.main import main
 from paratrain.training import recipes
@@ -59,23 +65,36 @@ def test_detached_copy_shares_nothing_with_the_original() -> None:
 def _checkpointer(run: Path, model: nn.Module) -> Checkpointer:
     rt = paratrain.Runtime(strategy="cpu", seed=0)
     cfg = TrainConfig(recipe="linear").resolved(recipes.get_recipe)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
     return Checkpointer(layout, run, cfg, TrainingParts(model, optimizer), 10, Position())
 
 
-def test_checkpoint_holds_the_weights_of_when_it_was_saved(tmp_path: Path) -> None:
+def test_checkpoint_holds_the_state_of_when_it_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = nn.Linear(10, 1)
     saver = _checkpointer(tmp_path, model)
+    optimizer = saver.parts.optimizer
+    model.weight.grad, model.bias.grad = torch.ones(1, 10), torch.ones(1)
+    optimizer.step()  # a momentum buffer, changed in place by the next step
     with torch.no_grad():
         model.weight.fill_(1.0)
+    momentum = optimizer.state[model.weight]["momentum_buffer"].clone()
+    # the write waits until training went on: a state shared, not copied, would show
+    gate, write = threading.Event(), snapshot.write_checkpoint
+    monkeypatch.setattr(snapshot, "write_checkpoint", lambda *a: (gate.wait(60), write(*a))[1])
     path = saver.save(0, 3, 3)
     with torch.no_grad():
-        model.weight.fill_(2.0)  # training goes on while the file is written
+        model.weight.fill_(2.0)
+    optimizer.step()
+    gate.set()
     saver.wait()
     assert path is not None and torch.equal(
         load_file(str(path / "model.safetensors"))["weight"], torch.ones(1, 10)
     )
+    saved = torch.load(path / "optimizer.pt", weights_only=True)["state"][0]
+    assert torch.equal(saved["momentum_buffer"], momentum)
 
 
 def test_a_failed_background_write_is_raised_by_the_next_save(tmp_path: Path) -> None:

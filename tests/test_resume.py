@@ -18,7 +18,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.checkpoints.files.readers import read_torch
-from paratrain.checkpoints.state import capture_rng, list_checkpoints, manifest, restore_rng
+from paratrain.checkpoints.state import (
+    CHECKPOINTS,
+    Checkpointer,
+    Position,
+    ProcessLayout,
+    TrainingParts,
+    capture_rng,
+    list_checkpoints,
+    load_checkpoint,
+    manifest,
+    restore_rng,
+)
 from paratrain.checkpoints.state.store import latest_checkpoint, write_checkpoint
 from paratrain.cli.main import main
 from paratrain.training import recipes
@@ -29,19 +40,22 @@ RECIPE = "test-dropout"
 CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train there
 
 
-def _draws() -> tuple[float, float, torch.Tensor]:
-    return random.random(), float(np.random.rand()), torch.rand(3)
+def _draws() -> tuple[float, float, float, float, torch.Tensor]:
+    """One draw of each generator; the gaussians use the one each generator has cached."""
+    python = (random.random(), random.gauss(0, 1))
+    return *python, float(np.random.rand()), float(np.random.randn()), torch.rand(3)
 
 
 def test_generator_states_come_back_exactly() -> None:
     torch.manual_seed(3)
-    random.gauss(0, 1)  # leaves a cached gaussian in Python's generator
+    random.gauss(0, 1)  # leaves a cached gaussian in Python's generator...
+    np.random.randn()  # ...and in NumPy's
     state = capture_rng([torch.device("cpu")])
     first = _draws()
     _draws()
     restore_rng(state, [torch.device("cpu")])
     again = _draws()
-    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+    assert first[:4] == again[:4] and torch.equal(first[4], again[4])
 
 
 def test_generator_state_survives_a_weights_only_file(tmp_path: Path) -> None:
@@ -49,7 +63,7 @@ def test_generator_state_survives_a_weights_only_file(tmp_path: Path) -> None:
     expected = _draws()
     restore_rng(read_torch(tmp_path / "rng.pt"))
     got = _draws()
-    assert expected[:2] == got[:2] and torch.equal(expected[2], got[2])
+    assert expected[:4] == got[:4] and torch.equal(expected[4], got[4])
 
 
 def _write(run: Path, step: int, keep: int = 3) -> Path:
@@ -165,18 +179,63 @@ def _save_and_load_in_each_process(rt: paratrain.Runtime, path: str) -> list[lis
     same = torch.equal(fresh.weight, model.module.weight)
     lr = fresh_optimizer.param_groups[0]["lr"]
     mine = torch.tensor([*expected, *got, float(same), float(state["step"]), lr])
+    mine = torch.cat([mine, _checkpoint_in_each_process(rt, model, optimizer, Path(path))])
     return [t.tolist() for t in rt.all_gather(mine)]
 
 
-def test_rt_save_and_load_with_two_processes(tmp_path: Path) -> None:
+def _checkpoint_in_each_process(
+    rt: paratrain.Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
+) -> torch.Tensor:
+    """The training loop's checkpoint: each process's generators and running loss come back
+    to that process. Returns draws after the save and after the load, the loss sum, samples
+    and step."""
+    cfg = TrainConfig(recipe="linear").resolved(recipes.get_recipe)
+    layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
+    run = path.parent / "run"
+    parts = TrainingParts(model, optimizer)
+    saver = Checkpointer(layout, run, cfg, parts, 10, Position(), background=False)
+    saver.last_metrics = {"train_loss": 0.25}
+    torch.manual_seed(200 + rt.rank)
+    saver.save(0, 4, 4, loss_sum=float(rt.rank + 1), samples=10 + rt.rank)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    fresh = nn.Linear(3, 2)
+    parts = TrainingParts(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    at = load_checkpoint(layout, run / CHECKPOINTS / "step-000004", parts, 10)
+    return torch.tensor([*expected, *torch.rand(2), at.loss_sum, at.samples, at.step])
+
+
+def test_rt_save_and_load_with_two_processes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
     result = rt.launch(_save_and_load_in_each_process, str(tmp_path / "state.pt"))
     assert result is not None
     (r0, r1) = result
     assert r0[:2] != r1[:2]  # different generator states...
     assert r0[:2] == r0[2:4] and r1[:2] == r1[2:4]  # ...each restored in its own process
-    assert r0[4:] == r1[4:] == [1.0, 7.0, 0.5]
-    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+    assert r0[4:7] == r1[4:7] == [1.0, 7.0, 0.5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "state.pt"]
+    # the loop's checkpoint: rng-rank{R}.pt of each process restored in that process
+    assert r0[7:9] != r1[7:9] and r0[7:9] == r0[9:11] and r1[7:9] == r1[9:11]
+    assert r0[11:] == [1.0, 10.0, 4.0] and r1[11:] == [2.0, 11.0, 4.0]
+    # that checkpoint in one process: the epoch's running loss of both goes to rank 0
+    one = paratrain.Runtime(strategy="cpu", seed=0)
+    layout = ProcessLayout(one.strategy.collective, one.strategy.devices, one.strategy.name)
+    checkpoint = tmp_path / "run" / CHECKPOINTS / "step-000004"
+    fresh = nn.Linear(3, 2)
+    parts = TrainingParts(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    with pytest.raises(UserError, match="10 batches per epoch, this run has 9: the data set"):
+        load_checkpoint(layout, checkpoint, parts, 9)
+    capsys.readouterr()
+    at = load_checkpoint(layout, checkpoint, parts, 10)
+    assert "saved by 2 process(es), this run has 1" in capsys.readouterr().err
+    assert (at.loss_sum, at.samples, at.step) == (3.0, 21, 4)
+    assert at.last_metrics == {"train_loss": 0.25}  # a run resumed at its end still reports it
+    with (checkpoint / "optimizer.pt").open("ab") as file:
+        file.write(b"x")  # damaged after the CLI checked it, or never checked (a library call)
+    with pytest.raises(UserError, match=r"optimizer\.pt has \d+ bytes"):
+        load_checkpoint(layout, checkpoint, parts, 10)
 
 
 # -- paratrain train --resume ----------------------------------------------------------------
