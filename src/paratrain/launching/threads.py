@@ -113,17 +113,12 @@ def choose_threads(
     return ThreadChoice(threads, PASSIVE, "chosen", reason)
 
 
-def follows_the_load(choice: ThreadChoice, processes: int) -> bool:
-    """Whether the load made ``choice`` smaller than a quiet machine's count."""
-    quiet = choose_threads(usable_cores(), processes)
-    return choice.source == "chosen" and choice.threads < quiet.threads
-
-
 def load_note(choice: ThreadChoice, processes: int) -> str | None:
-    """One line for stderr where the load lowered the count (else None)."""
-    if not follows_the_load(choice, processes):
-        return None
+    """One line for stderr where the load made ``choice`` smaller than a quiet machine's
+    count (else None)."""
     quiet = choose_threads(usable_cores(), processes).threads
+    if choice.source != "chosen" or choice.threads >= quiet:
+        return None
     return (
         f"other work keeps cores busy: {choice.threads} intra-op thread(s) per process "
         f"instead of {quiet} ({choice.reason}; recorded in config.json, and a resume keeps "

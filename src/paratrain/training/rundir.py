@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from paratrain.checkpoints.state.store import CHECKPOINTS, latest_checkpoint
+from paratrain.checkpoints.state.store import CHECKPOINTS, full_disk_advice
 from paratrain.training.run_files import CONFIG as CONFIG
 from paratrain.training.run_files import METRICS as METRICS
 from paratrain.training.run_files import OWN_FILES as OWN_FILES
@@ -102,16 +102,11 @@ def full_disk_said(directory: Path, path: Path | None = None) -> Iterator[None]:
         if exc.errno not in FULL:
             raise
         what = f"the final weights {directory / WEIGHTS}" if path is None else str(path)
-        newest = latest_checkpoint(directory)
-        kept = (
-            f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
-            f"--resume {directory}{' to write them' if path is None else ''}"
-            if newest is not None
-            else "the run has no checkpoint: free space on that disk and train again"
-        )
+        then = " to write them" if path is None else ""
+        advice = full_disk_advice(directory, then, without="the run has no checkpoint")
         raise UserError(
             f"no space left on device while writing {what}: {full_figures(exc, directory)}; "
-            f"{kept}, or train with --out on another disk"
+            f"{advice}"
         ) from None
 
 

@@ -155,18 +155,25 @@ def _os_error(exc: OSError, checkpoint: Path, size: int | None = None, written: 
         needed, at_least = max(partial, size or 0), True
         free = free_bytes(root if root.is_dir() else root.parent)  # with this one's gone
     figures = space_figures(needed or None, free, at_least, exc.errno == errno.EDQUOT)
-    run_dir = root.parent
+    advice = full_disk_advice(root.parent)
+    return f"no space left on device while writing checkpoint {checkpoint}: {figures}; {advice}"
+
+
+def full_disk_advice(
+    run_dir: Path,
+    after_resume: str = "",
+    without: str = "no checkpoint of this run is complete yet",
+) -> str:
+    """What a run whose disk filled up can do: resume from its newest checkpoint (intact),
+    or train again where it has none (``without`` says so), or move to another disk."""
     newest = latest_checkpoint(run_dir)
     kept = (
         f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
-        f"--resume {run_dir}"
+        f"--resume {run_dir}{after_resume}"
         if newest is not None
-        else "no checkpoint of this run is complete yet: free space on that disk and train again"
+        else f"{without}: free space on that disk and train again"
     )
-    return (
-        f"no space left on device while writing checkpoint {checkpoint}: {figures}; {kept}, "
-        "or train with --out on another disk"
-    )
+    return f"{kept}, or train with --out on another disk"
 
 
 def _bytes_under(directory: Path) -> int:

@@ -112,19 +112,24 @@ def parse_precision_list(text: str | None) -> list[str] | None:
 
 
 def parse_batch_sizes(text: str | None) -> list[int] | None:
+    return _positive_counts("--batch-sizes", text)
+
+
+def _positive_counts(flag: str, text: str | None) -> list[int] | None:
+    """``flag``'s comma list of positive integers, each once, in order; None when not given."""
     if text is None:
         return None
-    sizes: list[int] = []
+    counts: list[int] = []
     for raw in text.split(","):
         try:
-            size = int(raw.strip())
+            count = int(raw.strip())
         except ValueError:
-            raise UserError(f"--batch-sizes {text!r}: {raw.strip()!r} is not a number") from None
-        if size < 1:
-            raise UserError(f"--batch-sizes entries must be at least 1, got {size}")
-        if size not in sizes:
-            sizes.append(size)
-    return sizes
+            raise UserError(f"{flag} {text!r}: {raw.strip()!r} is not a number") from None
+        if count < 1:
+            raise UserError(f"{flag} entries must be at least 1, got {count}")
+        if count not in counts:
+            counts.append(count)
+    return counts
 
 
 def _build(name: str, devices: str) -> tuple[Strategy | None, str | None, str | None]:
@@ -212,19 +217,7 @@ def with_activation_checkpointing(combos: Sequence[Combo]) -> list[Combo]:
 
 def parse_thread_counts(text: str | None) -> list[int] | None:
     """``--threads 1,2`` into counts, or None for the default (see :func:`with_thread_counts`)."""
-    if text is None:
-        return None
-    counts: list[int] = []
-    for raw in text.split(","):
-        try:
-            count = int(raw.strip())
-        except ValueError:
-            raise UserError(f"--threads {text!r}: {raw.strip()!r} is not a number") from None
-        if count < 1:
-            raise UserError(f"--threads entries must be at least 1, got {count}")
-        if count not in counts:
-            counts.append(count)
-    return counts
+    return _positive_counts("--threads", text)
 
 
 def with_thread_counts(
