@@ -48,6 +48,8 @@ class WorkerProcess:
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         self.out_dir = self._tmp / "out"
         self.out_dir.mkdir()
+        # the worker's processes ring it when they are ready and after each window
+        self._bell = control.Doorbell(self.out_dir / control.RUNNER_BELL)
         self.started_at, self._begin = now(), time.perf_counter()
         self.windows = 0
         self.failed: str | None = None
@@ -68,18 +70,19 @@ class WorkerProcess:
             )
 
     def _wait_for(self, done: Callable[[], bool], what: str) -> bool:
-        """Poll ``done()`` until true; False (and ``failed`` set) if the worker ended or
-        took longer than the timeout."""
+        """Wait (asleep until the worker rings) for ``done()``; False (and ``failed`` set)
+        if the worker ended or took longer than the timeout."""
         deadline = time.perf_counter() + self.timeout
         while not done():
             if self._proc.poll() is not None:
                 self.failed = self.failed or f"worker exited with {self._proc.returncode}"
                 return False
-            if time.perf_counter() > deadline:
+            left = deadline - time.perf_counter()
+            if left < 0:
                 self.failed = f"timed out after {self.timeout:.0f}s ({what})"
                 self._kill()
                 return False
-            time.sleep(control.POLL_SECONDS)
+            self._bell.wait(min(left, control.WAKE_SECONDS))
         return True
 
     def wait_ready(self) -> bool:
@@ -91,7 +94,7 @@ class WorkerProcess:
         if self.failed is not None:
             return None
         index = self.windows
-        control.ask_window(self.out_dir, index)
+        control.ask_window(self.out_dir, index, self.processes)
         seen: list[float] = []
 
         def timed() -> bool:
@@ -107,7 +110,7 @@ class WorkerProcess:
 
     def finish(self) -> dict[str, Any]:
         """Stop the worker and merge what its processes wrote (worker.collect)."""
-        control.ask_stop(self.out_dir)
+        control.ask_stop(self.out_dir, self.processes)
         try:
             self._proc.wait(timeout=self.timeout)
         except subprocess.TimeoutExpired:
@@ -132,6 +135,7 @@ class WorkerProcess:
             "returncode": self._proc.returncode,
             "windows": self.windows,
         }
+        self._bell.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
         return result
 
@@ -140,6 +144,7 @@ class WorkerProcess:
         self._kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=5)
+        self._bell.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _kill(self) -> None:

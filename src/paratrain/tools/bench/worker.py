@@ -106,6 +106,7 @@ def _train_and_time(rt: Runtime, spec: RunSpec, out_dir: Path) -> dict[str, Any]
         DataLoader(task.dataset, batch_size=spec.batch_size, shuffle=True, drop_last=True)
     )
     batches = _endless(loader)
+    requests = control.Requests(out_dir, rt.rank)
     model.train()
     output_bytes: list[int] = []
     state_bytes: list[int] = []
@@ -130,10 +131,10 @@ def _train_and_time(rt: Runtime, spec: RunSpec, out_dir: Path) -> dict[str, Any]
     for _ in range(spec.warmup):
         step()
     synchronize(local)
-    control.say_ready(out_dir, rt.rank)
+    requests.say_ready()
     seconds: list[float] = []
     # one window each time the runner asks, until it says stop (bench/control.py)
-    while control.next_request(out_dir, len(seconds)):
+    while requests.next(len(seconds)):
         rt.barrier()
         synchronize(local)
         start = time.perf_counter()
@@ -141,7 +142,7 @@ def _train_and_time(rt: Runtime, spec: RunSpec, out_dir: Path) -> dict[str, Any]
             step()
         synchronize(local)
         seconds.append(time.perf_counter() - start)
-        control.report_window(out_dir, rt.rank, len(seconds) - 1, seconds[-1])
+        requests.report(len(seconds) - 1, seconds[-1])
     return {
         "seconds": seconds,
         "gathered_bytes_per_step": _gathered_bytes(rt, output_bytes),
