@@ -172,10 +172,21 @@ def test_overlapping_ranges_are_a_tie() -> None:
     assert rec.tie and rec.winner in ("a", "b") and "tie" in rec.message
 
 
-def test_a_difference_smaller_than_the_spread_is_a_tie() -> None:
-    # Ranges do not overlap, but 17 samples/s apart with spreads of 29 and 20 is noise.
-    rec = recommend([Candidate("a", "ok", [111, 140, 125]), Candidate("b", "ok", [90, 110, 108])])
+def test_faster_in_too_few_of_the_shared_rounds_is_a_tie() -> None:
+    # 14% apart, but b was the faster one in two of the five rounds both were timed in
+    a, b = [111, 140, 125, 98, 130], [90, 110, 108, 120, 135]
+    rec = recommend([Candidate("a", "ok", a), Candidate("b", "ok", b)])
     assert rec.winner == "a" and rec.tie
+    assert "medians 13.6% apart, but faster in only 3 of 5 rounds" in rec.message
+
+
+def test_faster_in_every_round_wins_though_the_machine_drifted() -> None:
+    # The whole machine slowed down as the bench went on: each range covers the other's
+    # median, yet round by round (seconds apart) a was always about 10% faster.
+    a = [1100, 1045, 990, 935, 880]
+    b = [1000, 950, 900, 850, 800]
+    rec = recommend([Candidate("a", "ok", a), Candidate("b", "ok", b)])
+    assert rec.winner == "a" and not rec.tie and "10.0% faster than b" in rec.message
 
 
 def test_one_outlier_window_does_not_make_a_tie() -> None:

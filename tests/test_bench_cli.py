@@ -76,14 +76,16 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
     # paratrain plan's prediction per device stands next to the measured peak
     assert len(cpu["predicted_peak_bytes"]) == 1 and len(ddp["predicted_peak_bytes"]) == 2
     assert "predicted" in stdout
-    # one worker process each, for all of its windows (interleaved); two more windows
-    # each only where the two were within noise of each other
+    # two worker processes each on the CPU, for all of their windows: the rounds take turns
+    # between them (interleaved with the other combination's); two more windows each only
+    # where the two combinations were within noise of each other
     for result in (cpu, ddp):
         windows = len(result["timed_window_seconds"]["first"])
         assert windows in (2, 4) and result["timed_window_seconds"]["retimed"] == []
-        assert result["samples_per_second"]["count"] == windows and len(result["runs"]) == 1
-        assert result["runs"][0]["windows"] == windows
+        assert result["samples_per_second"]["count"] == windows and len(result["runs"]) == 2
+        assert [run["windows"] for run in result["runs"]] == [windows // 2, windows // 2]
         assert result["config"]["steps"] == 3 and result["config"]["warmup"] == 1
+    assert data["settings"]["instances"] is None  # the default: two on the CPU
     assert data["recommendation"]["winner"] in results
     assert data["settings"]["strategies"] == ["cpu", "ddp"]
     assert (out / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
@@ -164,6 +166,8 @@ def test_a_broken_script_is_a_user_error_before_any_run(
 def test_bad_options_are_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = bench(capsys, "--steps", "0", "--out", str(tmp_path))
     assert code == 2 and "--steps must be at least 1" in err
+    code, _, err = bench(capsys, "--instances", "0", "--out", str(tmp_path))
+    assert code == 2 and "--instances must be at least 1, got 0" in err
     for bad, message in (("0", "at least 1, got 0"), ("1,x", "'x' is not a number")):
         code, _, err = bench(capsys, "--threads", bad, "--out", str(tmp_path))
         assert code == 2 and "--threads" in err and message in err, err

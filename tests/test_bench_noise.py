@@ -11,6 +11,7 @@ from paratrain.tools.bench.noise import (
     CLEAR_LOSER,
     MachineLoad,
     clear_losers,
+    compare,
     relative_spread,
     within_noise,
 )
@@ -33,7 +34,7 @@ def test_the_busy_bench_of_the_report_is_no_winner() -> None:
     )
     assert rec.tie
     assert rec.message.startswith("tie, no winner: cpu (999 samples/s) and ddpx2 (470)")
-    assert "repeats varying by up to 101%" in rec.message and "use " not in rec.message
+    assert "faster in only 2 of 3 rounds" in rec.message and "use " not in rec.message
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,28 @@ def test_the_busy_bench_of_the_report_is_no_winner() -> None:
 )
 def test_within_noise(a: list[float], b: list[float], noise: bool) -> None:
     assert within_noise(spread(a), spread(b)) is noise
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "why"),
+    [
+        # closer than the floor, however consistent
+        ([103, 103, 103], [100, 100, 100], "medians 3.0% apart, closer than the 5% floor"),
+        # 4 of 5 rounds is enough, 3 of 5 is not; 3 of 3 is needed
+        ([120, 120, 120, 120, 90], [100, 100, 100, 100, 100], None),
+        ([120, 120, 120, 90, 90], [100, 100, 100, 100, 100], "faster in only 3 of 5 rounds"),
+        ([120, 120, 90], [100, 100, 100], "faster in only 2 of 3 rounds"),
+        # a clear loser stopped early: only the rounds both were timed in count
+        ([120, 121, 119, 122, 90], [100, 101, 99, 100], None),
+        # fewer than three shared rounds: the ranges decide
+        ([120, 100], [105, 99], "repeats varying by up to 18%"),
+        ([120, 121], [100, 101], None),
+    ],
+)
+def test_compare_round_by_round(a: list[float], b: list[float], why: str | None) -> None:
+    verdict = compare(a, b)
+    assert verdict.tie is (why is not None)
+    assert why is None or why in verdict.why
 
 
 def test_relative_spread() -> None:
@@ -97,21 +120,31 @@ class _FakeWorker:
 
     speeds: ClassVar[dict[str, float]] = {}
     calls: ClassVar[list[str]] = []
+    #: (label, which of the combination's worker processes) of every window
+    turns: ClassVar[list[tuple[str, int]]] = []
+    stopped: ClassVar[list[str]] = []
 
     def __init__(self, spec: Any, processes: int, timeout: float) -> None:
         self.spec, self.seconds = spec, []
         layout = spec.strategy + ("x2" if processes > 1 else "")
         self.label = f"{layout} {spec.precision} b{spec.batch_size}"
+        self.instance = sum(1 for label, _ in self.turns if label == f"start {self.label}")
+        _FakeWorker.turns.append((f"start {self.label}", self.instance))
 
     def wait_ready(self) -> bool:
         return True
 
     def window(self) -> float:
         _FakeWorker.calls.append(self.label)
+        _FakeWorker.turns.append((self.label, self.instance))
         self.seconds.append(self.spec.steps * self.spec.batch_size / self.speeds[self.label])
         return self.seconds[-1]
 
+    def ask_stop(self) -> None:
+        _FakeWorker.stopped.append(self.label)
+
     def finish(self) -> dict[str, Any]:
+        assert len(self.stopped) == len(self.turns) - len(self.calls)  # all asked first
         run = {"windows": len(self.seconds)}
         return {"status": "ok", "seconds": self.seconds, "memory": {}, "run": run}
 
@@ -132,7 +165,7 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
         "ddpx2 32 b16": 100.0,  # a clear loser: stopped after EARLIEST_STOP windows
         "ddpx2 32 b32": 700.0,  # slower, not clearly: every window
     }
-    _FakeWorker.calls = []
+    _FakeWorker.calls, _FakeWorker.turns, _FakeWorker.stopped = [], [], []
     monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
     settings = runner.BenchSettings(
@@ -141,7 +174,7 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
     seen: list[tuple[str, int, int]] = []
     report = runner.run_bench(settings, lambda what, done, total: seen.append((what, done, total)))
     windows = {r.combo.label: len(r.seconds) for r in report.results}
-    assert windows == {"cpu 32 b16": 7, "cpu 32 b32": 7, "ddpx2 32 b16": 3, "ddpx2 32 b32": 5}
+    assert windows == {"cpu 32 b16": 7, "cpu 32 b32": 7, "ddpx2 32 b16": 4, "ddpx2 32 b32": 5}
     assert [r.combo.label for r in report.results if r.stopped_early] == ["ddpx2 32 b16"]
     # round by round, each round starting one further along
     assert _FakeWorker.calls[:8] == [
@@ -149,5 +182,11 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
         "cpu 32 b32", "ddpx2 32 b16", "ddpx2 32 b32", "cpu 32 b16",
     ]  # fmt: skip
     assert report.recommendation.tie and report.recommendation.winner == "cpu 32 b16"
+    # two worker processes per CPU combination, taking turns window by window
+    for label in windows:
+        assert [i for what, i in _FakeWorker.turns if what == f"start {label}"] == [0, 1]
+        taken = [i for what, i in _FakeWorker.turns if what == label]
+        assert taken == [n % 2 for n in range(windows[label])]
+        assert len(next(r for r in report.results if r.combo.label == label).runs) == 2
     assert seen[-1] == ("done", seen[-1][2], seen[-1][2])
     assert all(done <= total for _, done, total in seen)

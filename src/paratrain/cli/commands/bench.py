@@ -48,6 +48,13 @@ def register(subparsers: Any) -> None:
         help="intra-op threads per process to measure on CPU layouts (default: the count "
         "paratrain chooses, and 1 for one process)",
     )
+    p.add_argument(
+        "--instances",
+        type=int,
+        metavar="N",
+        help="worker processes per combination, its windows taking turns among them "
+        "(default 2 on CPU layouts, 1 on GPUs)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the model and data (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     p.add_argument("--out", help="output directory; default runs/bench-<name>-<timestamp>")
@@ -121,6 +128,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         ("--steps", args.steps, 1),
         ("--warmup", args.warmup, 0),
         ("--repeats", args.repeats, 1),
+        ("--instances", 1 if args.instances is None else args.instances, 1),
     ):
         if value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
@@ -139,6 +147,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         timeout=args.timeout,
         activation_checkpointing=args.activation_checkpointing,
         threads=parse_thread_counts(args.threads),
+        instances=args.instances,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from paratrain.launching.threads import usable_cores
 from paratrain.launching.wait_policy import busy_cores
-from paratrain.tools.bench.stats import Spread
+from paratrain.tools.bench.stats import Spread, spread
 
 #: closer than this, two layouts are the same speed whatever the spread says: run-to-run
 #: differences of a few percent are normal even on a quiet machine
@@ -32,13 +32,59 @@ def relative_spread(spread: Spread) -> float:
 
 
 def within_noise(winner: Spread, runner_up: Spread) -> bool:
-    """Whether the difference of the medians is no larger than what repeating the same
-    measurement gives: overlapping ranges, a difference smaller than the narrower spread
-    (the wider one may stem from a single outlier window), or closer than NOISE_FLOOR."""
+    """Whether the difference of the medians of two measurements that were not interleaved
+    is no larger than what repeating the same measurement gives: overlapping ranges, a
+    difference smaller than the narrower spread (the wider one may stem from a single
+    outlier window), or closer than NOISE_FLOOR."""
     difference = winner.median - runner_up.median
     if runner_up.median > 0 and difference / runner_up.median < NOISE_FLOOR:
         return True
     return winner.overlaps(runner_up) or difference < min(winner.width, runner_up.width)
+
+
+#: of the rounds two combinations were both timed in, the faster median must win at least
+#: this share to be called faster (4 of 5, 5 of 7, 3 of 3)
+CONSISTENT_SHARE = 0.7
+#: fewer rounds in common than this: the ranges decide (:func:`within_noise`)
+MIN_PAIRS = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the faster median truly beat the other, and the reason when not."""
+
+    tie: bool
+    #: why it is a tie, to finish "within the measured noise (...)"; "" when it is not
+    why: str = ""
+
+
+def compare(winner: Sequence[float], runner_up: Sequence[float]) -> Verdict:
+    """``winner`` (the faster median) against ``runner_up``: samples/s of each window, in
+    the order they were timed.
+
+    The bench interleaves the combinations, so window i of each was timed in the same round,
+    seconds apart: a drift of the whole machine moves both alike, and comparing them round by
+    round cancels it (comparing ranges does not: more windows only widen them). A tie when
+    the medians are closer than NOISE_FLOOR, or when the winner was faster in less than
+    CONSISTENT_SHARE of the rounds they share; with fewer than MIN_PAIRS such rounds,
+    :func:`within_noise` of their ranges.
+    """
+    first, second = spread(winner), spread(runner_up)
+    apart = first.median / second.median - 1 if second.median > 0 else float("inf")
+    if apart < NOISE_FLOOR:
+        return Verdict(True, f"medians {apart:.1%} apart, closer than the {NOISE_FLOOR:.0%} floor")
+    pairs = list(zip(winner, runner_up, strict=False))
+    if len(pairs) < MIN_PAIRS:
+        if within_noise(first, second):
+            noise = max(relative_spread(first), relative_spread(second))
+            return Verdict(True, f"medians {apart:.1%} apart, repeats varying by up to {noise:.0%}")
+        return Verdict(False)
+    wins = sum(a > b for a, b in pairs)
+    if wins < CONSISTENT_SHARE * len(pairs):
+        return Verdict(
+            True, f"medians {apart:.1%} apart, but faster in only {wins} of {len(pairs)} rounds"
+        )
+    return Verdict(False)
 
 
 #: a combination whose fastest window is slower than this share of the leader's slowest

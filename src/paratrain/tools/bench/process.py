@@ -108,9 +108,14 @@ class WorkerProcess:
         self.windows += 1
         return seen[0]
 
+    def ask_stop(self) -> None:
+        """Tell the worker to write its results and end (``finish`` waits for it): every
+        worker at once, so they end side by side."""
+        control.ask_stop(self.out_dir, self.processes)
+
     def finish(self) -> dict[str, Any]:
         """Stop the worker and merge what its processes wrote (worker.collect)."""
-        control.ask_stop(self.out_dir, self.processes)
+        self.ask_stop()
         try:
             self._proc.wait(timeout=self.timeout)
         except subprocess.TimeoutExpired:

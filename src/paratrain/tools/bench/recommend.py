@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paratrain.tools.bench.noise import relative_spread, within_noise
-from paratrain.tools.bench.stats import Spread, spread
+from paratrain.tools.bench.noise import compare
+from paratrain.tools.bench.stats import spread
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,12 @@ class Recommendation:
         }
 
 
-def is_tie(winner: Spread, runner_up: Spread) -> bool:
-    """Within the noise (see :func:`paratrain.tools.bench.noise.within_noise`)."""
-    return within_noise(winner, runner_up)
-
-
 def recommend(candidates: Sequence[Candidate], busy: bool = False) -> Recommendation:
     """Pick the fastest candidate that ran (``status == "ok"``); out-of-memory, failed and
     skipped ones are excluded and listed with their status. ``busy``: the machine was busy
     while measuring, which the message says."""
     excluded = {c.label: c.status for c in candidates if c.status != "ok"}
+    windows = {c.label: c.samples_per_second for c in candidates}
     measured = [
         (c.label, spread(c.samples_per_second))
         for c in candidates
@@ -86,15 +82,14 @@ def recommend(candidates: Sequence[Candidate], busy: bool = False) -> Recommenda
         )
     second_label, second = measured[1]
     margin = best.median / second.median - 1.0 if second.median > 0 else None
-    tie = is_tie(best, second)
+    verdict = compare(windows[best_label], windows[second_label])
+    tie = verdict.tie
     percent = f"{margin:.1%}" if margin is not None else "n/a"
     if tie:
-        noise = max(relative_spread(best), relative_spread(second))
         message = (
             f"tie, no winner: {best_label} ({best.median:,.0f} samples/s) and {second_label} "
-            f"({second.median:,.0f}) are within the measured noise (medians {percent} apart, "
-            f"repeats varying by up to {noise:.0%}); choose either, or rerun with more "
-            "--repeats"
+            f"({second.median:,.0f}) are within the measured noise ({verdict.why}); choose "
+            "either, or rerun with more --repeats"
         )
     else:
         message = (

@@ -20,11 +20,11 @@ from paratrain.tools.bench.combos import (
 from paratrain.tools.bench.noise import (
     MachineLoad,
     clear_losers,
+    compare,
     cores,
     gpu_processes,
     load_average,
     load_sample,
-    within_noise,
 )
 from paratrain.tools.bench.process import WorkerProcess
 from paratrain.tools.bench.recommend import Candidate, Recommendation, recommend
@@ -51,6 +51,9 @@ class BenchSettings:
     activation_checkpointing: bool = False
     #: intra-op thread counts per process to measure on CPU layouts (None: combos.py's)
     threads: list[int] | None = None
+    #: fresh worker processes per combination, its rounds alternating between them (None:
+    #: CPU_INSTANCES on the CPU, one where a GPU's memory would hold them all at once)
+    instances: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +70,7 @@ class BenchSettings:
             "retime": self.retime,
             "activation_checkpointing": self.activation_checkpointing,
             "threads": self.threads,
+            "instances": self.instances,
         }
 
 
@@ -126,9 +130,13 @@ class BenchReport:
 ProgressFn = Callable[[str, int, int], None]
 #: a clear loser is stopped after this many windows at the earliest (and never before half
 #: of its windows: its figure stays a median of several)
-EARLIEST_STOP = 3
+EARLIEST_STOP = 4
 #: windows added for the two leaders when their first ones are within noise of each other
 EXTRA_WINDOWS = 2
+#: worker processes per CPU combination: a process's luck (where its memory landed, how its
+#: threads were placed) moves all of its windows alike, by up to 5-8% on a 2-core machine;
+#: two processes, whose rounds alternate, halve what one such draw can do to the figure
+CPU_INSTANCES = 2
 
 
 def _now() -> str:
@@ -161,14 +169,23 @@ def _spec(
     )
 
 
-def _apply(result: RunResult, outcome: dict[str, Any]) -> None:
-    result.runs.append(outcome["run"])
+def instances_of(settings: BenchSettings, combo: Combo) -> int:
+    if settings.instances is not None:
+        return settings.instances
+    return CPU_INSTANCES if combo.on_cpu else 1
+
+
+def _apply(result: RunResult, outcomes: list[dict[str, Any]]) -> None:
+    """The outcomes of a combination's worker processes: the first that did not end well
+    decides its status. Its windows are the runner's own list, in the order they were timed."""
+    result.runs.extend(outcome["run"] for outcome in outcomes)
+    failed = [o for o in outcomes if o["status"] != "ok"]
+    outcome = failed[0] if failed else outcomes[0]
     result.status = outcome["status"]
     result.reason = outcome.get("reason")
     result.memory = outcome.get("memory", {})
     result.traceback = outcome.get("traceback")
-    if outcome["status"] == "ok":
-        result.seconds = list(outcome["seconds"])
+    if result.status == "ok":
         result.gathered_bytes_per_step = outcome.get("gathered_bytes_per_step")
         result.runtime = outcome.get("runtime")
         if not result.seconds:
@@ -191,7 +208,8 @@ class _Session:
     ):
         self.settings, self.progress, self.total, self.done = settings, progress, total, 0
         self.chosen = chosen
-        self.workers: dict[int, WorkerProcess] = {}
+        #: each combination's worker processes; its windows take turns among them
+        self.workers: dict[int, list[WorkerProcess]] = {}
 
     def say(self, what: str) -> None:
         if self.progress is not None:
@@ -199,27 +217,34 @@ class _Session:
 
     def start(self, results: list[RunResult]) -> list[RunResult]:
         """Start every worker, as many at a time as there are cores (starting is CPU work:
-        importing torch, building, warming up); the ones that got ready, in order."""
-        ready: list[RunResult] = []
+        importing torch, building, warming up); the combinations whose workers all got
+        ready, in order."""
+        starts = [
+            (result, instance)
+            for instance in range(max(instances_of(self.settings, r.combo) for r in results))
+            for result in results
+            if instance < instances_of(self.settings, result.combo)
+        ]
+        failed: set[int] = set()
         at_once = max(1, cores())
-        for first in range(0, len(results), at_once):
-            group = results[first : first + at_once]
-            for result in group:
+        for first in range(0, len(starts), at_once):
+            group = starts[first : first + at_once]
+            for result, _ in group:
                 spec = _spec(self.settings, result.combo, self.chosen)
                 result.spec = spec.to_dict()
-                self.workers[id(result)] = WorkerProcess(
-                    spec, result.combo.processes, self.settings.timeout
-                )
-            for result in group:
+                worker = WorkerProcess(spec, result.combo.processes, self.settings.timeout)
+                self.workers.setdefault(id(result), []).append(worker)
+            for result, instance in group:
                 self.say(f"starting {result.combo.label}")
-                if self.workers[id(result)].wait_ready():
-                    ready.append(result)
-                self.done += 1
-        return ready
+                if not self.workers[id(result)][instance].wait_ready():
+                    failed.add(id(result))
+            self.done += sum(1 for _, instance in group if instance == 0)
+        return [r for r in results if id(r) not in failed]
 
     def window(self, result: RunResult, label: str) -> bool:
         self.say(label)
-        seconds = self.workers[id(result)].window()
+        workers = self.workers[id(result)]
+        seconds = workers[len(result.seconds) % len(workers)].window()
         self.done += 1
         if seconds is None:
             return False
@@ -227,14 +252,18 @@ class _Session:
         return True
 
     def finish(self, results: list[RunResult]) -> None:
+        for workers in self.workers.values():
+            for worker in workers:
+                worker.ask_stop()
         for result in results:
-            worker = self.workers.pop(id(result), None)
-            if worker is not None:
-                _apply(result, worker.finish())
+            outcomes = [worker.finish() for worker in self.workers.pop(id(result), [])]
+            if outcomes:
+                _apply(result, outcomes)
 
     def kill(self) -> None:
-        for worker in self.workers.values():
-            worker.kill()
+        for workers in self.workers.values():
+            for worker in workers:
+                worker.kill()
 
 
 def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> BenchReport:
@@ -282,8 +311,8 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
             alive, key=lambda r: spread(_speeds(r, settings.steps)).median, reverse=True
         )[:2]
         if settings.retime and len(leaders) == 2:
-            first, second = (spread(_speeds(r, settings.steps)) for r in leaders)
-            if within_noise(first, second):
+            first, second = (_speeds(r, settings.steps) for r in leaders)
+            if compare(first, second).tie:
                 session.total += EXTRA_WINDOWS * 2
                 for extra in range(EXTRA_WINDOWS):
                     for result in leaders:

@@ -33,9 +33,12 @@ from paratrain.utils.atomic import atomic_write_text
 from paratrain.utils.errors import UserError
 from paratrain.utils.peak_memory import peak_rss_bytes
 
-#: how the runner starts a worker: ``python -c WORKER_CODE SPEC.json RESULT_DIR``
+#: how the runner starts a worker: ``python -c WORKER_CODE SPEC.json RESULT_DIR``; once its
+#: results are written it ends at once (an interpreter holding torch takes about half a
+#: second of CPU to tear down, a dozen workers side by side several seconds)
 WORKER_CODE = (
-    "import sys; from paratrain.tools.bench.worker import main; sys.exit(main(sys.argv[1:]))"
+    "import os, sys; from paratrain.tools.bench.worker import main; code = main(sys.argv[1:]); "
+    "sys.stdout.flush(); sys.stderr.flush(); os._exit(code)"
 )
 LAUNCH_RECORD = "launch.json"
 
