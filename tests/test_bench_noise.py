@@ -190,3 +190,41 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
         assert len(next(r for r in report.results if r.combo.label == label).runs) == 2
     assert seen[-1] == ("done", seen[-1][2], seen[-1][2])
     assert all(done <= total for _, done, total in seen)
+
+
+def test_second_workers_only_where_the_host_memory_holds_them() -> None:
+    from paratrain.tools.bench.runner import memory_short
+
+    gib = 2**30
+    # four workers took 2 GiB: four more need 2 GiB of the 8 left
+    assert memory_short(10 * gib, 8 * gib, started=4, more=4) is None
+    # four workers took 8 GiB: four more would need 8 of the 2 left
+    assert memory_short(10 * gib, 2 * gib, started=4, more=4) == (
+        "4 more would need about 8.0 GiB of the 2.0 GiB the host has available"
+    )
+    assert memory_short(None, 2 * gib, started=4, more=4) is None  # the host does not say
+
+
+def test_a_host_short_of_memory_gets_one_worker_per_combination(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from paratrain.tools.bench import runner
+    from paratrain.tools.bench.report import notes
+    from paratrain.tools.bench.task import TaskSource
+
+    _FakeWorker.speeds = {"cpu 32 b16": 1000.0, "cpu 32 b32": 500.0}
+    _FakeWorker.calls, _FakeWorker.turns, _FakeWorker.stopped = [], [], []
+    monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # the first two workers take 3 GiB each of the 8 GiB available
+    available = iter([8 * 2**30, 2 * 2**30])
+    monkeypatch.setattr(runner, "available_host_bytes", lambda: next(available))
+    settings = runner.BenchSettings(TaskSource(recipe="digits"), ["cpu"], ["32"], [16, 32])
+    report = runner.run_bench(settings)
+    assert all(len(r.runs) == 1 for r in report.results)
+    assert [i for _, i in _FakeWorker.turns] == [0, 0] + [0] * len(_FakeWorker.calls)
+    assert report.remarks == [
+        "one worker process per combination: 2 more would need about 6.0 GiB of the 2.0 GiB "
+        "the host has available"
+    ]
+    assert notes(report)[0] == report.remarks[0]

@@ -207,12 +207,7 @@ def _memory(given: str | None, accelerator: str) -> tuple[int, str]:
 
 
 def _host_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    from paratrain.utils.peak_memory import available_host_bytes, total_host_bytes
 
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    available = available_host_bytes()
+    return available if available is not None else total_host_bytes()

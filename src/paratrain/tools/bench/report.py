@@ -113,6 +113,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "results": [result_dict(r) for r in report.results],
         "recommendation": report.recommendation.to_dict(),
         "load": report.load.to_dict(),
+        "remarks": list(report.remarks),
     }
 
 
@@ -158,8 +159,9 @@ def build_table(report: BenchReport) -> Table:
 
 
 def notes(report: BenchReport) -> list[str]:
-    """Why combinations were skipped or failed, one line each (same reasons grouped)."""
-    lines = []
+    """How the bench ran where it differs from what was asked, then why combinations were
+    skipped or failed, one line each (same reasons grouped)."""
+    lines = list(report.remarks)
     skipped: dict[str, list[str]] = {}
     for result in report.results:
         if result.status == "skipped":
@@ -175,7 +177,8 @@ def print_report(report: BenchReport, console: Console) -> None:
     console.print(build_table(report))
     console.print(
         "samples/s: median over the timed windows (min-max), interleaved round by round with "
-        "the other combinations'; stopped early: slower in every window than the leader in "
+        "the other combinations' (on the CPU from two worker processes taking turns); "
+        "stopped early: slower in every window than the leader in "
         "any, so not timed further; memory: peak per GPU, else peak RSS per process; "
         "predicted: paratrain plan's peak per device (tensors only: a CPU process's RSS also "
         "holds Python, torch and the data); state/proc: parameters + gradients + optimizer "

@@ -31,6 +31,7 @@ from paratrain.tools.bench.recommend import Candidate, Recommendation, recommend
 from paratrain.tools.bench.stats import spread, throughputs
 from paratrain.tools.bench.task import TaskSource, check_task
 from paratrain.tools.bench.worker import RunSpec
+from paratrain.utils.peak_memory import available_host_bytes
 
 
 @dataclass
@@ -124,12 +125,14 @@ class BenchReport:
     arguments: dict[str, Any] = field(default_factory=dict)  # the command line, parsed
     #: other work on the machine, looked at between runs
     load: MachineLoad = field(default_factory=lambda: MachineLoad(cores()))
+    #: how the bench ran where it differs from what was asked (one line each)
+    remarks: list[str] = field(default_factory=list)
 
 
 #: called with (what is running now, how many steps of the bench are done, how many in all)
 ProgressFn = Callable[[str, int, int], None]
 #: a clear loser is stopped after this many windows at the earliest (and never before half
-#: of its windows: its figure stays a median of several)
+#: of its windows: its figure stays a median of several, from each of its processes)
 EARLIEST_STOP = 4
 #: windows added for the two leaders when their first ones are within noise of each other
 EXTRA_WINDOWS = 2
@@ -166,6 +169,26 @@ def _spec(
         seed=settings.seed,
         activation_checkpointing=combo.activation_checkpointing,
         threads=threads,
+    )
+
+
+#: more worker processes per combination only where they take at most this share of the
+#: host memory still available (every worker stays alive for the whole bench)
+HOST_SHARE = 0.5
+
+
+def memory_short(before: int | None, after: int | None, started: int, more: int) -> str | None:
+    """Why ``more`` workers would not fit, judged from what ``started`` ones took of the
+    host's available memory (``before`` and ``after`` they started); None: they fit, or
+    the host does not say."""
+    if before is None or after is None or started < 1:
+        return None
+    needed = max(0, before - after) / started * more
+    if needed <= HOST_SHARE * after:
+        return None
+    return (
+        f"{more} more would need about {needed / 2**30:.1f} GiB of the "
+        f"{after / 2**30:.1f} GiB the host has available"
     )
 
 
@@ -210,21 +233,36 @@ class _Session:
         self.chosen = chosen
         #: each combination's worker processes; its windows take turns among them
         self.workers: dict[int, list[WorkerProcess]] = {}
+        #: what the report should say about how the bench ran
+        self.remarks: list[str] = []
 
     def say(self, what: str) -> None:
         if self.progress is not None:
             self.progress(what, self.done, self.total)
 
     def start(self, results: list[RunResult]) -> list[RunResult]:
-        """Start every worker, as many at a time as there are cores (starting is CPU work:
-        importing torch, building, warming up); the combinations whose workers all got
-        ready, in order."""
-        starts = [
+        """Start every worker: each combination's first, then its others where the host's
+        memory holds them; the combinations whose workers all got ready, in order."""
+        before = available_host_bytes()
+        failed = self._start([(r, 0) for r in results])
+        more = [
             (result, instance)
-            for instance in range(max(instances_of(self.settings, r.combo) for r in results))
+            for instance in range(1, max(instances_of(self.settings, r.combo) for r in results))
             for result in results
-            if instance < instances_of(self.settings, result.combo)
+            if instance < instances_of(self.settings, result.combo) and id(result) not in failed
         ]
+        if more:
+            short = memory_short(before, available_host_bytes(), len(results), len(more))
+            if short is not None:
+                self.remarks.append(f"one worker process per combination: {short}")
+                more = []
+        failed |= self._start(more)
+        return [r for r in results if id(r) not in failed]
+
+    def _start(self, starts: list[tuple[RunResult, int]]) -> set[int]:
+        """Start these (combination, instance) workers, as many at a time as there are cores
+        (starting is CPU work: importing torch, building, warming up); the ids of the
+        combinations whose worker did not get ready."""
         failed: set[int] = set()
         at_once = max(1, cores())
         for first in range(0, len(starts), at_once):
@@ -239,7 +277,7 @@ class _Session:
                 if not self.workers[id(result)][instance].wait_ready():
                     failed.add(id(result))
             self.done += sum(1 for _, instance in group if instance == 0)
-        return [r for r in results if id(r) not in failed]
+        return failed
 
     def window(self, result: RunResult, label: str) -> bool:
         self.say(label)
@@ -300,7 +338,8 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
                     alive.remove(result)
             busy.append(load_sample())
             speeds = {r.combo.label: _speeds(r, settings.steps) for r in alive}
-            # from the third window on: two windows of a busy machine can mislead
+            # from the fourth window on (two from each of a CPU combination's processes):
+            # a few windows of a busy machine can mislead
             early = max(EARLIEST_STOP, settings.repeats // 2) <= round_ + 1 < settings.repeats
             losers = clear_losers(speeds) if early else []
             for result in [r for r in alive if r.combo.label in losers]:
@@ -335,4 +374,5 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
         finished_at=_now(),
         wall_seconds=time.perf_counter() - begin,
         train_samples=train_samples,
+        remarks=session.remarks,
     )
