@@ -238,6 +238,31 @@ def test_out_of_memory_on_one_rank_explains_the_others_error(tmp_path: Path) -> 
     assert merged["status"] == "oom" and "out of memory" in merged["reason"]
 
 
+def test_a_failed_group_is_named_by_its_first_line_and_kept_whole(tmp_path: Path) -> None:
+    """A failed group's message names the rank first; its stack follows (where the last
+    line, ``File "<string>", line 1 in <module>``, says nothing)."""
+    from paratrain.tools.bench.worker import LAUNCH_RECORD, _one_line
+    from paratrain.utils.errors import LaunchError
+
+    stuck = LaunchError(
+        "rank 1 (pid 4242) made no progress for 612s (--hang-timeout / "
+        "PARATRAIN_HANG_TIMEOUT); every process was stopped. Its Python stack:\n"
+        'Thread 0x1 (most recent call first):\n  File "<string>", line 1 in <module>'
+    )
+    assert _one_line(stuck) == (
+        "LaunchError: rank 1 (pid 4242) made no progress for 612s (--hang-timeout / "
+        "PARATRAIN_HANG_TIMEOUT); every process was stopped. Its Python stack:"
+    )
+    assert _one_line(RuntimeError("while training:\nRuntimeError: closed")) == (
+        "RuntimeError: RuntimeError: closed"
+    )
+    record = {"status": "error", "reason": _one_line(stuck), "traceback": str(stuck)}
+    (tmp_path / LAUNCH_RECORD).write_text(json.dumps(record))
+    merged = collect(tmp_path, 2)
+    assert merged["reason"].startswith("LaunchError: rank 1 (pid 4242) made no progress")
+    assert merged["traceback"].endswith("line 1 in <module>")
+
+
 def test_a_missing_rank_is_an_error(tmp_path: Path) -> None:
     _record(tmp_path, 0, status="ok", seconds=[1.0])
     merged = collect(tmp_path, 2)

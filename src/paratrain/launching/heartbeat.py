@@ -2,9 +2,11 @@
 
 A launcher that watches its processes sets ``PARATRAIN_HEARTBEAT_DIR``. Each rank then keeps
 a 32-byte memory-mapped file there, ``beat-rank{R}``: its pid, how many beats it has made,
-the time of the last one, and whether it is waiting for its peers (in a step's collectives,
-see :func:`waiting`). :func:`beat` rewrites those bytes in place: no system call,
-about a microsecond, so it can sit in every training step. The runtime beats in
+the time of the last one (``time.monotonic()``: one clock for every process of the machine,
+which a wall-clock step by NTP does not move, so a step is never taken for a hang), and
+whether it is waiting for its peers (in a step's collectives, see :func:`waiting`).
+:func:`beat` rewrites those bytes in place: no system call, about a microsecond, so it can
+sit in every training step. The runtime beats in
 ``rt.backward``, in every collective and for every batch a loader delivers.
 
 :func:`arm` also registers :mod:`faulthandler` on ``SIGUSR2``: the watchdog sends it to a
@@ -58,7 +60,7 @@ def stack_file(directory: Path, rank: int) -> Path:
 class _Heart:
     def __init__(self, directory: Path, rank: int) -> None:
         path = beat_file(directory, rank)
-        path.write_bytes(_LAYOUT.pack(os.getpid(), 0, time.time(), 0))
+        path.write_bytes(_LAYOUT.pack(os.getpid(), 0, time.monotonic(), 0))
         with open(path, "r+b") as handle:
             self.map = mmap.mmap(handle.fileno(), _LAYOUT.size)
         self.pid = os.getpid()
@@ -74,7 +76,7 @@ class _Heart:
         if self.count % _PARENT_CHECK_EVERY == 0 and os.getppid() != self.parent:
             # The launcher is gone (where no kernel signal told us): do not train on alone.
             os._exit(1)
-        _LAYOUT.pack_into(self.map, 0, self.pid, self.count, time.time(), waiting)
+        _LAYOUT.pack_into(self.map, 0, self.pid, self.count, time.monotonic(), waiting)
 
 
 _heart: _Heart | None = None

@@ -84,7 +84,7 @@ class Watchdog:
     def check(self) -> Hang | None:
         """If a watched rank is stuck: dump its stack, kill every rank, describe it."""
         beats = self._living()
-        now = time.time()
+        now = time.monotonic()  # the beats' clock: one for the machine, not moved by NTP
         late = [b for b in beats if b.count > 0 and now - b.time > self.timeout]
         if not late:
             return None

@@ -30,7 +30,7 @@ from paratrain.tools.bench import control
 from paratrain.tools.bench.memory import memory_snapshot, synchronize, training_state_bytes
 from paratrain.tools.bench.task import TaskSource, load_task
 from paratrain.utils.atomic import atomic_write_text
-from paratrain.utils.errors import UserError
+from paratrain.utils.errors import LaunchError, UserError
 from paratrain.utils.peak_memory import peak_rss_bytes
 
 #: how the runner starts a worker: ``python -c WORKER_CODE SPEC.json RESULT_DIR``; once its
@@ -82,9 +82,12 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    text = lines[-1] if lines else ""
-    return f"{type(exc).__name__}: {text}"[:300]
+    """The exception in one line: the last of its message (where Python and torch put the
+    cause), except a failed group's, whose first line names the rank and what happened (the
+    rest is that rank's traceback or stack)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = (lines[0] if isinstance(exc, LaunchError) else lines[-1]) if lines else ""
+    return f"{type(exc).__name__}: {text.strip()}"[:300]
 
 
 def _endless(loader: Any) -> Iterator[Any]:
@@ -206,7 +209,7 @@ def main(argv: list[str]) -> int:
         rt.launch(measure_in_process, spec, str(out_dir))
     except Exception as exc:
         status = "oom" if is_oom(exc) else "error"
-        record = {"status": status, "reason": _one_line(exc)}
+        record = {"status": status, "reason": _one_line(exc), "traceback": str(exc)[-3000:]}
         atomic_write_text(out_dir / LAUNCH_RECORD, json.dumps(record) + "\n")
         print(traceback.format_exc(), file=sys.stderr)
         return 1
@@ -245,7 +248,7 @@ def collect(out_dir: Path, processes: int) -> dict[str, Any]:
         # parameters + gradients + optimizer state held by each process (fsdp: its shards)
         "state_bytes": [r.get("state_bytes") for r in records],
     }
-    tracebacks = [r["traceback"] for r in records if r.get("traceback")]
+    tracebacks = [r["traceback"] for r in outcomes if r.get("traceback")]
     if tracebacks:
         result["traceback"] = tracebacks[0]
     if status == "ok":
