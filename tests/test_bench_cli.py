@@ -138,6 +138,28 @@ def test_out_of_memory_is_a_result_and_the_rest_still_runs(
     assert not (out / "bench.png").exists()
 
 
+def test_overwrite_replaces_the_earlier_bench_and_its_chart(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
+    script = tmp_path / "hungry.py"
+    script.write_text(HUNGRY_SCRIPT)
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "bench.json").write_text('{"earlier": true}\n')
+    (out / "bench.png").write_bytes(PNG_SIGNATURE)  # the earlier run's chart
+    (out / "notes.txt").write_text("mine\n")
+    argv = [f"--script={script}:factory", "--strategies=cpu", "--precisions=32"]
+    argv += ["--batch-sizes=4", "--steps=2", "--warmup=0", "--repeats=1", "--instances=1"]
+    code, _, err = bench(capsys, *argv, "--no-plot", f"--out={out}")
+    assert code == 2 and "--overwrite" in err and (out / "bench.png").exists()
+    code, stdout, _ = bench(capsys, *argv, "--no-plot", "--overwrite", f"--out={out}")
+    assert code == 0, stdout
+    assert "earlier" not in (out / "bench.json").read_text()
+    assert not (out / "bench.png").exists()  # no chart this time: none that is not this run's
+    assert (out / "notes.txt").read_text() == "mine\n"  # not the bench's: kept
+
+
 @pytest.mark.parametrize(
     ("script", "message"),
     [

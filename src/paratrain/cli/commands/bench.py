@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         return run_loader(args)
     from paratrain.tools.bench.chart import MISSING_MATPLOTLIB, write_chart
     from paratrain.tools.bench.report import (
+        BENCH_JSON,
         BENCH_PNG,
         check_out,
         make_out,
@@ -171,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = check_out(Path(args.out or f"runs/bench-{settings.source.name}-{stamp}"), args.overwrite)
+    # --overwrite replaces an earlier bench here: its chart must not outlive it
+    replacing = (out / BENCH_JSON).exists()
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)  # piped output: no need to squeeze into 80 columns
@@ -178,12 +181,13 @@ def run(args: argparse.Namespace) -> int:
         report = run_bench(settings, bar.update)
     predict_memory(report)
     report.arguments = {k: v for k, v in vars(args).items() if not k.endswith("handler")}
+    make_out(out)
+    if replacing:
+        (out / BENCH_PNG).unlink(missing_ok=True)
     if getattr(args, "json", False):
-        make_out(out)
         print(write_json(report, out).read_text(encoding="utf-8"), end="")
         return 0
     print_report(report, console)
-    make_out(out)
     written = [write_json(report, out)]
     if not args.no_plot:
         if write_chart(report, out / BENCH_PNG):
