@@ -276,3 +276,17 @@ def test_a_disk_full_while_writing_then_a_resume_after_freeing_space(
     straight = tmp_path / "straight"
     assert _train(capsys, "--out", str(straight), *COMMON, "--max-steps", "8")[0] == 0
     assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
+
+
+def test_a_full_quota_is_said_as_one(tmp_path: Path) -> None:
+    """EDQUOT: the disk has room, the user's quota has not; the line says which."""
+    from paratrain.training.rundir import full_disk_said
+
+    with pytest.raises(UserError) as caught, full_disk_said(tmp_path):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    said = str(caught.value)
+    assert said.startswith(f"disk quota exceeded while writing the final weights {tmp_path}")
+    assert (
+        "but the quota is exceeded; the run has no checkpoint: free space under your quota" in said
+    )
+    assert said.endswith("or train with --out on another disk")

@@ -161,9 +161,12 @@ def test_os_error_messages(tmp_path: Path) -> None:
     where = tmp_path / "checkpoints" / "step-000002"
     quota = OSError(errno.EDQUOT, "Disk quota exceeded")
     said = _os_error(quota, where, size=None, written=0)
-    assert said.startswith(f"no space left on device while writing checkpoint {where}: ")
+    assert said.startswith(f"disk quota exceeded while writing checkpoint {where}: ")
     assert re.search(r": [\d,]+ free on the disk, but the quota is exceeded; ", said)
-    assert "exceeded; no checkpoint of this run is complete yet: free space" in said
+    assert (
+        "exceeded; no checkpoint of this run is complete yet: free space under your quota on "
+        "that disk (or have the quota raised) and train again" in said
+    )
     assert said.endswith(", or train with --out on another disk")
     _save(tmp_path, 1)
     before = no_space(where, 2048, free=100)  # the free space checked before writing

@@ -14,6 +14,7 @@ Every name paratrain writes there is listed in :mod:`paratrain.training.run_file
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import platform
 import sys
@@ -32,7 +33,13 @@ from paratrain.training.run_files import TENSORBOARD as TENSORBOARD
 from paratrain.training.run_files import TIMINGS as TIMINGS
 from paratrain.training.run_files import WEIGHTS as WEIGHTS
 from paratrain.training.run_files import remove_previous_run
-from paratrain.utils.atomic import FULL, atomic_write, atomic_write_text, full_figures
+from paratrain.utils.atomic import (
+    FULL,
+    atomic_write,
+    atomic_write_text,
+    full_figures,
+    full_headline,
+)
 from paratrain.utils.errors import UserError
 from paratrain.version import __version__
 
@@ -103,9 +110,10 @@ def full_disk_said(directory: Path, path: Path | None = None) -> Iterator[None]:
             raise
         what = f"the final weights {directory / WEIGHTS}" if path is None else str(path)
         then = " to write them" if path is None else ""
-        advice = full_disk_advice(directory, then, without="the run has no checkpoint")
+        quota = exc.errno == errno.EDQUOT
+        advice = full_disk_advice(directory, then, "the run has no checkpoint", quota)
         raise UserError(
-            f"no space left on device while writing {what}: {full_figures(exc, directory)}; "
+            f"{full_headline(exc.errno)} while writing {what}: {full_figures(exc, directory)}; "
             f"{advice}"
         ) from None
 

@@ -68,6 +68,18 @@ class DiskFull(OSError):
     free: int | None
 
 
+def full_headline(code: int | None) -> str:
+    """How a full disk's one line starts: the disk, or the user's quota on it (``EDQUOT``)."""
+    return "disk quota exceeded" if code == errno.EDQUOT else "no space left on device"
+
+
+def make_room(code: int | None) -> str:
+    """What to do about it: free space on that disk, or under the quota."""
+    if code == errno.EDQUOT:
+        return "free space under your quota on that disk (or have the quota raised)"
+    return "free space on that disk"
+
+
 def space_figures(
     needed: int | None, free: int | None, at_least: bool = False, quota: bool = False
 ) -> str:
@@ -89,7 +101,7 @@ def full_figures(exc: OSError, directory: Path) -> str:
     """The figures of a full disk's error: those it carries, else the free space there."""
     if isinstance(exc, DiskFull):
         return space_figures(exc.needed, exc.free, exc.at_least, exc.errno == errno.EDQUOT)
-    return space_figures(None, free_bytes(directory))
+    return space_figures(None, free_bytes(directory), quota=exc.errno == errno.EDQUOT)
 
 
 def no_space(
@@ -102,7 +114,7 @@ def no_space(
     """The one-line error of a full disk (``code``: ``errno.ENOSPC``, or ``EDQUOT``)."""
     free = free_bytes(path.parent) if free is None else free
     figures = space_figures(needed, free, at_least, code == errno.EDQUOT)
-    error = DiskFull(code, f"no space left on device while writing {path}: {figures}")
+    error = DiskFull(code, f"{full_headline(code)} while writing {path}: {figures}")
     error.path, error.needed, error.at_least, error.free = path, needed, at_least, free
     return error
 

@@ -30,6 +30,8 @@ from paratrain.utils.atomic import (
     check_space,
     free_bytes,
     fsync_dir,
+    full_headline,
+    make_room,
     space_figures,
 )
 from paratrain.utils.errors import UserError
@@ -155,23 +157,27 @@ def _os_error(exc: OSError, checkpoint: Path, size: int | None = None, written: 
         needed, at_least = max(partial, size or 0), True
         free = free_bytes(root if root.is_dir() else root.parent)  # with this one's gone
     figures = space_figures(needed or None, free, at_least, exc.errno == errno.EDQUOT)
-    advice = full_disk_advice(root.parent)
-    return f"no space left on device while writing checkpoint {checkpoint}: {figures}; {advice}"
+    advice = full_disk_advice(root.parent, quota=exc.errno == errno.EDQUOT)
+    headline = full_headline(exc.errno)
+    return f"{headline} while writing checkpoint {checkpoint}: {figures}; {advice}"
 
 
 def full_disk_advice(
     run_dir: Path,
     after_resume: str = "",
     without: str = "no checkpoint of this run is complete yet",
+    quota: bool = False,
 ) -> str:
-    """What a run whose disk filled up can do: resume from its newest checkpoint (intact),
-    or train again where it has none (``without`` says so), or move to another disk."""
+    """What a run whose disk (or ``quota`` on it) filled up can do: resume from its newest
+    checkpoint (intact), or train again where it has none (``without`` says so), or move to
+    another disk."""
     newest = latest_checkpoint(run_dir)
+    room = make_room(errno.EDQUOT if quota else errno.ENOSPC)
     kept = (
-        f"the newest checkpoint, {newest.name}, is intact: free space on that disk and "
+        f"the newest checkpoint, {newest.name}, is intact: {room} and "
         f"--resume {run_dir}{after_resume}"
         if newest is not None
-        else f"{without}: free space on that disk and train again"
+        else f"{without}: {room} and train again"
     )
     return f"{kept}, or train with --out on another disk"
 

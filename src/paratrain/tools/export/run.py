@@ -27,7 +27,7 @@ from paratrain.tools.export.torchao_api import (
 )
 from paratrain.training import run_files, rundir
 from paratrain.training.recipes import get_recipe
-from paratrain.utils.atomic import FULL, full_figures
+from paratrain.utils.atomic import FULL, full_figures, full_headline, make_room
 from paratrain.utils.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -84,8 +84,8 @@ def _full_disk(exc: OSError, target: Path) -> str:
     figures = full_figures(exc, target.parent)
     before = "; the file there before is intact" if target.exists() else ""
     return (
-        f"no space left on device while writing {target}: {figures}{before}; free space on "
-        "that disk or pass --out FILE on another disk"
+        f"{full_headline(exc.errno)} while writing {target}: {figures}{before}; "
+        f"{make_room(exc.errno)} or pass --out FILE on another disk"
     )
 
 
