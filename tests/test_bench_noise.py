@@ -228,3 +228,18 @@ def test_a_host_short_of_memory_gets_one_worker_per_combination(
         "the host has available"
     ]
     assert notes(report)[0] == report.remarks[0]
+
+
+def test_a_bench_whose_every_combination_is_skipped_runs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from paratrain.tools.bench import runner
+    from paratrain.tools.bench.task import TaskSource
+
+    monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    settings = runner.BenchSettings(
+        TaskSource(recipe="digits"), ["dp"], ["32"], [16], "cuda:0,cuda:1"
+    )
+    report = runner.run_bench(settings)
+    assert [r.status for r in report.results] == ["skipped"]
+    assert report.recommendation.winner is None

@@ -245,9 +245,10 @@ class _Session:
         memory holds them; the combinations whose workers all got ready, in order."""
         before = available_host_bytes()
         failed = self._start([(r, 0) for r in results])
+        most = max((instances_of(self.settings, r.combo) for r in results), default=1)
         more = [
             (result, instance)
-            for instance in range(1, max(instances_of(self.settings, r.combo) for r in results))
+            for instance in range(1, most)
             for result in results
             if instance < instances_of(self.settings, result.combo) and id(result) not in failed
         ]
