@@ -31,7 +31,7 @@ from paratrain.tools.bench.crossover import crossover_size, measure_crossover
 from paratrain.tools.bench.placement import measure_placement
 from paratrain.tools.bench.recommend import Candidate, recommend
 from paratrain.tools.bench.report import BENCH_JSON, check_out, report_dict, write_json
-from paratrain.tools.bench.runner import BenchReport, BenchSettings, RunResult
+from paratrain.tools.bench.results import BenchReport, BenchSettings, RunResult
 from paratrain.tools.bench.task import TaskSource
 from paratrain.tools.bench.worker import collect
 from paratrain.utils.errors import UserError
@@ -404,21 +404,21 @@ def test_predicted_peaks_stand_next_to_the_measured_ones() -> None:
 
 def test_activation_checkpointing_adds_a_combination_where_the_strategy_allows_it() -> None:
     from paratrain.tools.bench.combos import with_activation_checkpointing
-    from paratrain.tools.bench.runner import _spec
+    from paratrain.tools.bench.pool import run_spec
 
     combos = enumerate_combos(["cpu", "dp-balanced"], ["32"], [8], "cpu,cpu")
     doubled = with_activation_checkpointing(combos)
     assert [c.label for c in doubled] == ["cpu 32 b8", "cpu 32 b8 ac", "dp-balancedx2 32 b8"]
     settings = BenchSettings(TaskSource(recipe="digits"), activation_checkpointing=True)
-    assert _spec(settings, doubled[1]).activation_checkpointing
-    assert not _spec(settings, doubled[0]).activation_checkpointing
+    assert run_spec(settings, doubled[1]).activation_checkpointing
+    assert not run_spec(settings, doubled[0]).activation_checkpointing
 
 
 def test_threads_are_a_dimension_on_cpu_layouts_at_equal_total_threads() -> None:
     """``--devices cpu,cpu`` layouts on 2 cores: paratrain's count (cores / processes) for
     each, one thread as well for one process; ``--threads`` lists the counts instead."""
     from paratrain.tools.bench.combos import parse_thread_counts, with_thread_counts
-    from paratrain.tools.bench.runner import _spec
+    from paratrain.tools.bench.pool import run_spec
 
     def chosen(processes: int) -> int:
         return max(1, 2 // processes)
@@ -427,7 +427,7 @@ def test_threads_are_a_dimension_on_cpu_layouts_at_equal_total_threads() -> None
     default = with_thread_counts(combos, None, chosen)
     assert [c.label for c in default] == ["cpu 32 b8", "cpu 32 b8 t1", "ddpx2 32 b8"]
     settings = BenchSettings(TaskSource(recipe="digits"))
-    spec_of = {c.label: _spec(settings, c) for c in default}
+    spec_of = {c.label: run_spec(settings, c) for c in default}
     assert spec_of["cpu 32 b8 t1"].threads == 1
     # the unlabelled ones get the count paratrain chooses here (as train would)
     from paratrain.launching.threads import choose_for

@@ -156,7 +156,7 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The runner's rounds (no processes: a worker that answers from a table)."""
-    from paratrain.tools.bench import runner
+    from paratrain.tools.bench import pool, runner
     from paratrain.tools.bench.task import TaskSource
 
     _FakeWorker.speeds = {
@@ -166,7 +166,7 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
         "ddpx2 32 b32": 700.0,  # slower, not clearly: every window
     }
     _FakeWorker.calls, _FakeWorker.turns, _FakeWorker.stopped = [], [], []
-    monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    monkeypatch.setattr(pool, "WorkerProcess", _FakeWorker)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
     settings = runner.BenchSettings(
         TaskSource(recipe="digits"), ["cpu", "ddp"], ["32"], [16, 32], "cpu,cpu", steps=4
@@ -193,7 +193,7 @@ def test_the_bench_interleaves_stops_clear_losers_and_retimes_a_close_pair(
 
 
 def test_second_workers_only_where_the_host_memory_holds_them() -> None:
-    from paratrain.tools.bench.runner import memory_short
+    from paratrain.tools.bench.pool import memory_short
 
     gib = 2**30
     # four workers took 2 GiB: four more need 2 GiB of the 8 left
@@ -208,17 +208,17 @@ def test_second_workers_only_where_the_host_memory_holds_them() -> None:
 def test_a_host_short_of_memory_gets_one_worker_per_combination(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from paratrain.tools.bench import runner
+    from paratrain.tools.bench import pool, runner
     from paratrain.tools.bench.report import notes
     from paratrain.tools.bench.task import TaskSource
 
     _FakeWorker.speeds = {"cpu 32 b16": 1000.0, "cpu 32 b32": 500.0}
     _FakeWorker.calls, _FakeWorker.turns, _FakeWorker.stopped = [], [], []
-    monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    monkeypatch.setattr(pool, "WorkerProcess", _FakeWorker)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # the first two workers take 3 GiB each of the 8 GiB available
     available = iter([8 * 2**30, 2 * 2**30])
-    monkeypatch.setattr(runner, "available_host_bytes", lambda: next(available))
+    monkeypatch.setattr(pool, "available_host_bytes", lambda: next(available))
     settings = runner.BenchSettings(TaskSource(recipe="digits"), ["cpu"], ["32"], [16, 32])
     report = runner.run_bench(settings)
     assert all(len(r.runs) == 1 for r in report.results)
@@ -233,10 +233,10 @@ def test_a_host_short_of_memory_gets_one_worker_per_combination(
 def test_a_bench_whose_every_combination_is_skipped_runs_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from paratrain.tools.bench import runner
+    from paratrain.tools.bench import pool, runner
     from paratrain.tools.bench.task import TaskSource
 
-    monkeypatch.setattr(runner, "WorkerProcess", _FakeWorker)
+    monkeypatch.setattr(pool, "WorkerProcess", _FakeWorker)
     settings = runner.BenchSettings(
         TaskSource(recipe="digits"), ["dp"], ["32"], [16], "cuda:0,cuda:1"
     )

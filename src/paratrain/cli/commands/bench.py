@@ -122,7 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         parse_strategy_list,
         parse_thread_counts,
     )
-    from paratrain.tools.bench.runner import BenchSettings
+    from paratrain.tools.bench.results import BenchSettings
 
     for flag, value, least in (
         ("--steps", args.steps, 1),

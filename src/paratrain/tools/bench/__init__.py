@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paratrain.tools.bench.recommend import Candidate, Recommendation, recommend
-    from paratrain.tools.bench.runner import BenchReport, BenchSettings, RunResult, run_bench
+    from paratrain.tools.bench.results import BenchReport, BenchSettings, RunResult
+    from paratrain.tools.bench.runner import run_bench
     from paratrain.tools.bench.task import TaskSource
 
 #: imported on first use: the command line reads this package's torch-free modules
@@ -21,9 +22,9 @@ _LAZY = {
     "Candidate": "paratrain.tools.bench.recommend",
     "Recommendation": "paratrain.tools.bench.recommend",
     "recommend": "paratrain.tools.bench.recommend",
-    "BenchReport": "paratrain.tools.bench.runner",
-    "BenchSettings": "paratrain.tools.bench.runner",
-    "RunResult": "paratrain.tools.bench.runner",
+    "BenchReport": "paratrain.tools.bench.results",
+    "BenchSettings": "paratrain.tools.bench.results",
+    "RunResult": "paratrain.tools.bench.results",
     "run_bench": "paratrain.tools.bench.runner",
     "TaskSource": "paratrain.tools.bench.task",
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.tools.bench.memory import memory_bars
-from paratrain.tools.bench.runner import BenchReport
+from paratrain.tools.bench.results import BenchReport
 from paratrain.tools.bench.stats import spread
 from paratrain.utils.atomic import atomic_write
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from paratrain.devices.machine import machine_info
 from paratrain.tools.bench.memory import memory_bars
-from paratrain.tools.bench.runner import BenchReport, RunResult
+from paratrain.tools.bench.results import BenchReport, RunResult
 from paratrain.tools.bench.stats import spread
 from paratrain.training import rundir
 from paratrain.utils.atomic import atomic_write_text
