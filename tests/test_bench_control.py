@@ -81,3 +81,22 @@ def test_a_waiting_worker_sleeps_until_asked(tmp_path: Path) -> None:
     finally:
         result = worker.finish()
     assert result["status"] == "ok" and len(result["seconds"]) == 1
+
+
+def test_without_fifos_waiting_falls_back_to_looking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the OS (or the file system of the temporary folder) has no FIFOs, a waiting
+    process looks for its request every POLL_SECONDS instead: slower to react, same result."""
+    monkeypatch.delattr(control.os, "mkfifo")
+    requests = control.Requests(tmp_path, rank=0)
+    assert not control.bell_path(tmp_path, 0).exists()
+    begin = time.perf_counter()
+    requests.bell.wait(LONG)  # nothing to block on: one look's sleep
+    assert time.perf_counter() - begin < LONG / 2
+    asker = threading.Timer(0.1, control.ask_window, args=(tmp_path, 0, 1))
+    asker.start()
+    assert requests.next(0)  # found by looking
+    asker.join()
+    control.ask_stop(tmp_path, 1)
+    assert not requests.next(1)
