@@ -5,6 +5,7 @@ each is killed with SIGKILL once it has written a checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -160,3 +161,82 @@ def test_the_heartbeat_stops_a_rank_whose_launcher_is_gone(tmp_path: Path) -> No
     )
     rank = int(middle.stdout.split()[0])
     assert _until(lambda: not alive(rank), 60), "the orphaned rank trains on"
+
+
+# The middle process starts a child that, like every paratrain process, looks at its parent
+# only once it has imported torch (the sleep), and exits at once itself.
+_LATE_LOOK = """
+import os, subprocess, sys
+code = '''
+import importlib.util, sys, time
+time.sleep(1.5)  # importing torch
+spec = importlib.util.spec_from_file_location("parent_death", sys.argv[1])
+parent_death = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(parent_death)
+parent_death.die_with_parent()
+open(sys.argv[2], "w").write("trained on alone")
+'''
+env = dict(os.environ, PARATRAIN_PARENT_PID=str(os.getpid()))
+child = subprocess.Popen([sys.executable, "-c", code, *sys.argv[1:]], env=env)
+print(child.pid, flush=True)
+"""
+
+
+def test_a_process_whose_launcher_died_while_it_started_does_not_run_on(tmp_path: Path) -> None:
+    """By the time it looks, its parent is PID 1 (or a subreaper): the pid its launcher
+    gave it says that is not the process that started it."""
+    from paratrain.launching import parent_death
+
+    marker = tmp_path / "survived"
+    middle = subprocess.run(
+        [sys.executable, "-c", _LATE_LOOK, parent_death.__file__, str(marker)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    child = int(middle.stdout.split()[0])
+    assert _until(lambda: not alive(child), 60), "the orphan still runs"
+    assert not marker.exists(), "the orphan ran on after its parent was gone"
+
+
+def _carrying(marker: str) -> list[int]:
+    """Processes of this machine whose environment holds ``marker`` (what a process and all
+    it starts inherit)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_bench_stopped_while_its_ranks_start_leaves_no_process(tmp_path: Path) -> None:
+    """SIGTERM to `paratrain bench` while a ddp worker's ranks import torch: the worker dies
+    with the bench, and its ranks with it (they used to form their group alone and wait
+    under PID 1 for requests that never came)."""
+    marker = f"PARATRAIN_TEST_MARKER=bench-{os.getpid()}-{time.monotonic_ns()}"
+    name, value = marker.split("=")
+    argv = ["bench", "--strategies", "ddp", "--devices", "cpu,cpu", "--precisions", "32"]
+    argv += ["--steps", "3", "--repeats", "3", "--instances", "1", "--no-plot"]
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", *argv, "--out", str(tmp_path / "bench")],
+        env=subprocess_env(**{name: value}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def ranks_starting() -> bool:
+        for pid in _carrying(marker):
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+        return bench.poll() is not None
+
+    assert _until(ranks_starting, 120) and bench.poll() is None, "no rank ever started"
+    bench.send_signal(signal.SIGTERM)
+    bench.wait(timeout=60)
+    assert _until(lambda: not _carrying(marker), 60), f"left behind: {_carrying(marker)}"

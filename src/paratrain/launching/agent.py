@@ -33,6 +33,7 @@ from typing import Any
 from paratrain.distributed import loopback
 from paratrain.distributed.collective_order import REPORT_DIR_VARIABLE
 from paratrain.launching.heartbeat import DIRECTORY_VARIABLE
+from paratrain.launching.parent_death import PARENT_VARIABLE
 from paratrain.launching.preemption import Request, Stopped, stop_message
 from paratrain.launching.watchdog import Watchdog, WatchdogThread, hang_timeout
 from paratrain.utils.errors import LaunchError, UserError
@@ -129,6 +130,7 @@ def run_agent(
         os.environ.update(loopback.interface_environment() if _on_loopback(nodes) else {})
         os.environ.update(env)
         os.environ[REPORT_VARIABLE] = tmp
+        os.environ[PARENT_VARIABLE] = str(os.getpid())  # the agent starts them, in here
         # The agent passes these on to its processes (a stop at the next step); SIGUSR1 is
         # the signal `sbatch --signal=USR1@120` sends before the time limit.
         os.environ.setdefault(SIGNALS_VARIABLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
@@ -146,7 +148,7 @@ def run_agent(
                 _kill_left(Path(tmp))  # a second Ctrl-C cut the agent's wait short
                 raise stopped_on_signal(Path(tmp), exc.sigval) from None
             finally:
-                for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE):
+                for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE, PARENT_VARIABLE):
                     os.environ.pop(name, None)
             stopped = stop_report(Path(tmp))  # a process was signalled, the agent was not
             if stopped is not None:

@@ -136,7 +136,7 @@ def spawn(
         watchdog = Watchdog(Path(tmp), timeout) if timeout is not None else None
         context = mp.start_processes(
             _worker,
-            args=(rebuild, fn, args, nprocs, free_port(), tmp, watchdog is not None),
+            args=(rebuild, fn, args, nprocs, free_port(), tmp, watchdog is not None, os.getpid()),
             nprocs=nprocs,
             join=False,
             start_method="spawn",
@@ -179,9 +179,10 @@ def _worker(
     port: int,
     tmp: str,
     watched: bool,
+    launcher: int,
 ) -> None:
     """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
-    die_with_parent()  # never train on alone if the launcher is killed
+    die_with_parent(launcher)  # never train on alone if the launcher is killed
     if watched:
         os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
         heartbeat.arm(rank)

@@ -18,12 +18,25 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+#: the pid of the process that started this one, as that process knew itself: set by
+#: paratrain's launchers for the processes they start
+PARENT_VARIABLE = "PARATRAIN_PARENT_PID"
 
 
-def die_with_parent() -> bool:
+def die_with_parent(parent: int | None = None) -> bool:
     """Be killed (SIGKILL) when the parent process exits; exit now if it already has.
-    Returns whether the kernel watches (Linux); the heartbeat checks in any case."""
-    parent = os.getppid()
+
+    ``parent`` (else ``PARATRAIN_PARENT_PID``, else the parent now): the pid of the process
+    that started this one, as the starter gave it. A process looks only once it has
+    imported torch, a second or more after it started; a parent killed meanwhile has
+    already been replaced by PID 1 (or a subreaper), which a late look would take for the
+    parent and outlive. Returns whether the kernel watches (Linux); the heartbeat checks
+    in any case."""
+    given = os.environ.get(PARENT_VARIABLE, "")
+    if parent is None and given.isdigit():
+        parent = int(given)
+    if parent is None:
+        parent = os.getppid()
     armed = False
     if sys.platform.startswith("linux"):
         try:

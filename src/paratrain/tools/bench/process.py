@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from paratrain.launching.parent_death import PARENT_VARIABLE
 from paratrain.tools.bench import control
 from paratrain.tools.bench.worker import WORKER_CODE, RunSpec, collect
 
@@ -57,6 +58,7 @@ class WorkerProcess:
         # A bench started inside a launched group must not make its workers think they are
         # ranks of that group.
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        env[PARENT_VARIABLE] = str(os.getpid())  # it must not outlive this bench
         # A session of its own: on a timeout the whole group (launched ranks too) is ended.
         # stderr to a file: a pipe nobody reads while the worker waits could fill and block it
         self._stderr = self._tmp / "stderr.txt"
