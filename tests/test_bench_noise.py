@@ -134,17 +134,6 @@ class _FakeWorker:
     def wait_ready(self) -> bool:
         return True
 
-    def poll_ready(self) -> bool:
-        return True
-
-    @property
-    def bell(self) -> Any:
-        class NoFifo:  # nothing to block on: the pool just looks
-            def fileno(self) -> None:
-                return None
-
-        return NoFifo()
-
     def window(self) -> float:
         _FakeWorker.calls.append(self.label)
         _FakeWorker.turns.append((self.label, self.instance))

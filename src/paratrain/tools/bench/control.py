@@ -62,29 +62,10 @@ class Doorbell:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._fd, 4096)
 
-    def fileno(self) -> int | None:
-        """The FIFO's descriptor, to wait on several bells at once (None: no FIFO here)."""
-        return self._fd
-
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def wait_any(bells: list[Doorbell], seconds: float) -> None:
-    """Sleep until any of ``bells`` is rung or ``seconds`` passed (without FIFOs: at most
-    POLL_SECONDS); every bell rung is read, so none wakes the next wait for nothing."""
-    fds = [fd for fd in (bell.fileno() for bell in bells) if fd is not None]
-    if len(fds) < len(bells):  # one of them can only be looked at
-        seconds = min(seconds, POLL_SECONDS)
-    if not fds:
-        time.sleep(max(0.0, seconds))
-        return
-    readable, _, _ = select.select(fds, [], [], max(0.0, seconds))
-    for fd in readable:
-        with contextlib.suppress(BlockingIOError):
-            os.read(fd, 4096)
 
 
 def ring(path: Path) -> None:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from paratrain.launching.threads import choose_for
-from paratrain.tools.bench import control
 from paratrain.tools.bench.combos import Combo
 from paratrain.tools.bench.noise import cores
 from paratrain.tools.bench.process import WorkerProcess
@@ -137,31 +136,22 @@ class WorkerPool:
 
     def _start(self, starts: list[tuple[RunResult, int]]) -> set[int]:
         """Start these (combination, instance) workers, as many at a time as there are cores
-        (starting is CPU work: importing torch, building, warming up), the next as soon as
-        one is ready; the ids of the combinations whose worker did not get ready."""
+        (starting is CPU work: importing torch, building, warming up); the ids of the
+        combinations whose worker did not get ready."""
         failed: set[int] = set()
-        queue = list(starts)
-        starting: list[tuple[RunResult, int, WorkerProcess]] = []
         at_once = max(1, cores())
-        while queue or starting:
-            while queue and len(starting) < at_once:
-                result, instance = queue.pop(0)
+        for first in range(0, len(starts), at_once):
+            group = starts[first : first + at_once]
+            for result, _ in group:
                 spec = run_spec(self.settings, result.combo, self.chosen)
                 result.spec = spec.to_dict()
                 worker = WorkerProcess(spec, result.combo.processes, self.settings.timeout)
                 self.workers.setdefault(id(result), []).append(worker)
+            for result, instance in group:
                 self.say(f"starting {result.combo.label}")
-                starting.append((result, instance, worker))
-            control.wait_any([worker.bell for _, _, worker in starting], control.WAKE_SECONDS)
-            for entry in list(starting):
-                result, instance, worker = entry
-                ready = worker.poll_ready()
-                if ready is None:
-                    continue
-                starting.remove(entry)
-                if not ready:
+                if not self.workers[id(result)][instance].wait_ready():
                     failed.add(id(result))
-                self.done += 1 if instance == 0 else 0
+            self.done += sum(1 for _, instance in group if instance == 0)
         return failed
 
     def window(self, result: RunResult, label: str) -> bool:

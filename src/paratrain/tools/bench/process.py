@@ -91,25 +91,6 @@ class WorkerProcess:
         """Started, built and warmed up (False: it failed; ``finish`` says why)."""
         return self._wait_for(lambda: control.all_ready(self.out_dir, self.processes), "start")
 
-    @property
-    def bell(self) -> control.Doorbell:
-        """Rung by the worker's processes when they are ready and after each window."""
-        return self._bell
-
-    def poll_ready(self) -> bool | None:
-        """Without waiting: True once started, built and warmed up; False if it failed
-        (``finish`` says why) or took longer than the timeout to start; None meanwhile."""
-        if control.all_ready(self.out_dir, self.processes):
-            return True
-        if self._proc.poll() is not None:
-            self.failed = self.failed or f"worker exited with {self._proc.returncode}"
-            return False
-        if time.perf_counter() - self._begin > self.timeout:
-            self.failed = f"timed out after {self.timeout:.0f}s (start)"
-            self._kill()
-            return False
-        return None
-
     def window(self) -> float | None:
         """Time one window: its seconds, or None if the worker failed."""
         if self.failed is not None:
