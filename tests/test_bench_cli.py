@@ -41,6 +41,14 @@ def factory():
 '''
 
 
+def hungry_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HUNGRY_SCRIPT in ``tmp_path``, with one thread count (no t1 combinations: test_bench)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = tmp_path / "hungry.py"
+    script.write_text(HUNGRY_SCRIPT)
+    return script
+
+
 def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(["bench", "--no-progress", *argv])
     captured = capsys.readouterr()
@@ -101,9 +109,7 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
 def test_out_of_memory_is_a_result_and_the_rest_still_runs(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
-    script = tmp_path / "hungry.py"
-    script.write_text(HUNGRY_SCRIPT)
+    script = hungry_script(tmp_path, monkeypatch)
     out = tmp_path / "bench"
     # --json, and progress as plain lines on stderr (not a terminal here)
     code = main(
@@ -141,9 +147,7 @@ def test_out_of_memory_is_a_result_and_the_rest_still_runs(
 def test_overwrite_replaces_the_earlier_bench_and_its_chart(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one count: no t1 combinations (test_bench)
-    script = tmp_path / "hungry.py"
-    script.write_text(HUNGRY_SCRIPT)
+    script = hungry_script(tmp_path, monkeypatch)
     out = tmp_path / "bench"
     out.mkdir()
     (out / "bench.json").write_text('{"earlier": true}\n')

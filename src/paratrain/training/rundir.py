@@ -14,7 +14,6 @@ Every name paratrain writes there is listed in :mod:`paratrain.training.run_file
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import platform
 import sys
@@ -110,8 +109,7 @@ def full_disk_said(directory: Path, path: Path | None = None) -> Iterator[None]:
             raise
         what = f"the final weights {directory / WEIGHTS}" if path is None else str(path)
         then = " to write them" if path is None else ""
-        quota = exc.errno == errno.EDQUOT
-        advice = full_disk_advice(directory, then, "the run has no checkpoint", quota)
+        advice = full_disk_advice(directory, then, "the run has no checkpoint", exc.errno)
         raise UserError(
             f"{full_headline(exc.errno)} while writing {what}: {full_figures(exc, directory)}; "
             f"{advice}"

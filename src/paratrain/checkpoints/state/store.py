@@ -157,7 +157,7 @@ def _os_error(exc: OSError, checkpoint: Path, size: int | None = None, written: 
         needed, at_least = max(partial, size or 0), True
         free = free_bytes(root if root.is_dir() else root.parent)  # with this one's gone
     figures = space_figures(needed or None, free, at_least, exc.errno == errno.EDQUOT)
-    advice = full_disk_advice(root.parent, quota=exc.errno == errno.EDQUOT)
+    advice = full_disk_advice(root.parent, code=exc.errno)
     headline = full_headline(exc.errno)
     return f"{headline} while writing checkpoint {checkpoint}: {figures}; {advice}"
 
@@ -166,13 +166,13 @@ def full_disk_advice(
     run_dir: Path,
     after_resume: str = "",
     without: str = "no checkpoint of this run is complete yet",
-    quota: bool = False,
+    code: int | None = None,
 ) -> str:
-    """What a run whose disk (or ``quota`` on it) filled up can do: resume from its newest
-    checkpoint (intact), or train again where it has none (``without`` says so), or move to
-    another disk."""
+    """What a run whose disk (``code``: the error's errno, ``EDQUOT`` for a full quota)
+    filled up can do: resume from its newest checkpoint (intact), or train again where it
+    has none (``without`` says so), or move to another disk."""
     newest = latest_checkpoint(run_dir)
-    room = make_room(errno.EDQUOT if quota else errno.ENOSPC)
+    room = make_room(code)
     kept = (
         f"the newest checkpoint, {newest.name}, is intact: {room} and "
         f"--resume {run_dir}{after_resume}"

@@ -54,6 +54,7 @@ class WorkerProcess:
         self.started_at, self._begin = now(), time.perf_counter()
         self.windows = 0
         self.failed: str | None = None
+        self._stop_asked = False
         command = [sys.executable, "-c", WORKER_CODE, str(spec_path), str(self.out_dir)]
         # A bench started inside a launched group must not make its workers think they are
         # ranks of that group.
@@ -113,7 +114,9 @@ class WorkerProcess:
     def ask_stop(self) -> None:
         """Tell the worker to write its results and end (``finish`` waits for it): every
         worker at once, so they end side by side."""
-        control.ask_stop(self.out_dir, self.processes)
+        if not self._stop_asked:
+            control.ask_stop(self.out_dir, self.processes)
+            self._stop_asked = True
 
     def finish(self) -> dict[str, Any]:
         """Stop the worker and merge what its processes wrote (worker.collect)."""
