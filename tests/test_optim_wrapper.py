@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paratrain.data.loaders import BatchInfo
 from paratrain.devices.precision import Precision
-from paratrain.runtime.optim import Accumulation, RuntimeOptimizer, move_optimizer_state
+from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state
+from paratrain.runtime.step_state import StepState
 
 CPU = torch.device("cpu")
 
@@ -24,7 +26,7 @@ def _steps(fused: bool, scaled: bool) -> nn.Module:
     if scaled:
         precision.scaler = torch.amp.GradScaler("cpu")
     optimizer = RuntimeOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.1, fused=fused), precision, Accumulation()
+        torch.optim.Adam(model.parameters(), lr=0.1, fused=fused), precision, StepState()
     )
     for _ in range(3):
         optimizer.zero_grad()
@@ -46,7 +48,7 @@ def test_a_fused_step_gets_the_scale_from_the_grad_scaler() -> None:
 def test_zero_grad_keeps_or_drops_the_gradient_tensors_as_asked() -> None:
     model = nn.Linear(2, 1)
     optimizer = RuntimeOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), Accumulation()
+        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), StepState()
     )
     model(torch.ones(1, 2)).sum().backward()
     optimizer.zero_grad(set_to_none=False)
@@ -58,27 +60,27 @@ def test_zero_grad_keeps_or_drops_the_gradient_tensors_as_asked() -> None:
 
 
 def test_accumulation_applies_every_nth_micro_batch_and_at_the_epoch_end() -> None:
-    three = Accumulation(steps=3)
+    three = StepState(3)
     seen = []
     for _ in range(3):
-        last = three.next_is_last()
+        last = three.ends_group
         three.micro_batch_done()
         seen.append((last, three.sync_gradients, three.micro_steps))
     assert seen == [(False, False, 1), (False, False, 2), (True, True, 3)]
     three.applied()
     assert (three.micro_steps, three.sync_gradients) == (0, False)
-    three.at_last_batch = True  # the epoch's last batch ends an unfinished group
-    assert three.next_is_last()
+    three.begin(BatchInfo(ends_epoch=True))  # the epoch's last batch ends an unfinished group
+    assert three.ends_group
     three.micro_batch_done()
     assert three.sync_gradients
-    two = Accumulation(steps=2)
+    two = StepState(2)
     two.micro_batch_done()
     assert not two.sync_gradients
     two.micro_batch_done()
     assert two.sync_gradients
-    one = Accumulation(steps=1)
+    one = StepState(1)
     for _ in range(2):
-        assert one.next_is_last()
+        assert one.ends_group
         one.micro_batch_done()
         assert (one.micro_steps, one.sync_gradients) == (0, True)
     one.applied()
@@ -88,7 +90,7 @@ def test_accumulation_applies_every_nth_micro_batch_and_at_the_epoch_end() -> No
 def test_step_passes_the_closure_to_the_optimizer() -> None:
     model = nn.Linear(2, 1)
     optimizer = RuntimeOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), Accumulation()
+        torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), StepState()
     )
     calls = []
 
@@ -106,7 +108,7 @@ def test_step_then_zero_grad_keeps_the_first_micro_batches_gradients() -> None:
     """Under ``accumulate=2`` a loop that calls ``step()`` then ``zero_grad()`` after every
     micro-batch must not lose the first micro-batch's gradients."""
     model = nn.Linear(2, 1)
-    accumulation = Accumulation(steps=2)
+    accumulation = StepState(2)
     optimizer = RuntimeOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), Precision("32", CPU), accumulation
     )

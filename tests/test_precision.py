@@ -27,7 +27,8 @@ from paratrain.devices.precision import (
     precision_unavailable_reason,
     to_float32,
 )
-from paratrain.runtime.optim import Accumulation, RuntimeOptimizer
+from paratrain.runtime.optim import RuntimeOptimizer
+from paratrain.runtime.step_state import StepState
 from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
@@ -100,7 +101,7 @@ def test_runtime_optimizer_unscales_through_its_accumulation() -> None:
     initial = copy.deepcopy(model)
     precision = Precision("fp16", CPU)
     precision.scaler = torch.amp.GradScaler("cpu")
-    accumulation = Accumulation(steps=2)
+    accumulation = StepState(2)
     optimizer = RuntimeOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR), precision, accumulation
     )

@@ -19,7 +19,8 @@ from paratrain.devices.precision import Precision
 from paratrain.runtime.compiling import normalize_compile, resolve_mode
 from paratrain.runtime.fused import apply_fused
 from paratrain.runtime.memory_format import wants_channels_last
-from paratrain.runtime.optim import Accumulation, RuntimeOptimizer
+from paratrain.runtime.optim import RuntimeOptimizer
+from paratrain.runtime.step_state import StepState
 from paratrain.utils.errors import UserError
 
 
@@ -239,7 +240,7 @@ def test_grad_scaler_hands_its_scale_to_a_fused_optimizer() -> None:
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=fused)
         precision = Precision("32", torch.device("cpu"))
         precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-        wrapped = RuntimeOptimizer(optimizer, precision, Accumulation())
+        wrapped = RuntimeOptimizer(optimizer, precision, StepState())
         precision.backward(net(torch.ones(2, 4)).sum())
         wrapped.step()
         steps.append(net.weight.detach().clone())

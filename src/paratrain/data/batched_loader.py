@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from paratrain.data.loaders import DeviceLoader, ShardedBatchSampler
+from paratrain.data.loaders import BatchSink, DeviceLoader, ShardedBatchSampler
 from paratrain.data.placement import move_to_device
 from paratrain.data.tensor_data import TensorRows
 
@@ -38,7 +38,7 @@ class TensorBatchLoader(DeviceLoader):
         rows: TensorRows,
         *,
         resident: bool,
-        loss_weight_sink: Any = None,
+        loss_weight_sink: BatchSink | None = None,
     ) -> None:
         super().__init__(loader, device, batch_sampler, loss_weight_sink)
         self._sampler = batch_sampler

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sized
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -31,6 +32,68 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from paratrain.data.placement import move_to_device
 from paratrain.launching.heartbeat import beat
 from paratrain.utils.errors import UserError
+
+#: the attribute a training batch's tensors carry their :class:`BatchInfo` in
+BATCH_INFO = "_paratrain_batch"
+
+
+@dataclass(frozen=True, eq=False)
+class BatchInfo:
+    """What the step needs to know of a training batch, carried by the batch itself (an
+    attribute of its tensors), so that it holds when the batch is *used*, not when it was
+    handed out: a loop may take batches ahead (prefetch, ``list(loader)``, ``zip``)."""
+
+    #: this process's loss weight: a mean of the processes' losses is the global mean
+    #: even when the last global batch does not split evenly
+    loss_weight: float = 1.0
+    #: the epoch's last batch: an unfinished group of accumulated micro-batches is applied
+    ends_epoch: bool = False
+    #: the loader that made it (its batches not used yet are forgotten when it restarts)
+    source: int = 0
+
+
+#: a batch that carries nothing (a tensor the loop made itself)
+PLAIN_BATCH = BatchInfo()
+
+
+class BatchSink(Protocol):
+    """Who learns of each training batch handed out (the runtime's step state)."""
+
+    def handed_out(self, info: BatchInfo) -> None: ...
+
+    def restarted(self, source: int) -> None: ...
+
+
+def tag_batch(batch: Any, info: BatchInfo) -> Any:
+    """Give every tensor of ``batch`` (nested in tuples, lists and dicts) ``info``."""
+    if isinstance(batch, torch.Tensor):
+        setattr(batch, BATCH_INFO, info)
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            tag_batch(item, info)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            tag_batch(item, info)
+    return batch
+
+
+def batch_info(*values: Any) -> BatchInfo | None:
+    """The :class:`BatchInfo` a training batch's tensor among ``values`` carries (looked for
+    in nested tuples, lists and dicts, first found wins), or None."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            info = getattr(value, BATCH_INFO, None)
+            if info is not None:
+                return info
+        elif isinstance(value, (list, tuple)):
+            found = batch_info(*value)
+            if found is not None:
+                return found
+        elif isinstance(value, dict):
+            found = batch_info(*value.values())
+            if found is not None:
+                return found
+    return None
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -155,11 +218,12 @@ class DeviceLoader:
         loader: DataLoader[Any],
         device: torch.device,
         batch_sampler: ShardedBatchSampler | None,
-        loss_weight_sink: Any = None,
+        loss_weight_sink: BatchSink | None = None,
     ) -> None:
         self.loader = loader
         self.device = device
         self.batch_sampler = batch_sampler
+        #: told of every training batch handed out (None for evaluation loaders)
         self._sink = loss_weight_sink
         self._next_epoch = 0
         self._epoch_set_by_user = False
@@ -213,16 +277,18 @@ class DeviceLoader:
                 beat()  # progress, for the hang watchdog (evaluation has no backward)
                 yield move_to_device(batch, self.device)
             return
+        # Each batch carries its own loss weight and whether it ends the epoch: the step
+        # reads them when the batch is used, whatever the loop took ahead of it.
+        source = id(self)
+        sink.restarted(source)
         weights = self._loss_weights()
         last = len(self.loader) - 1
         for index, batch in enumerate(self._batches()):
-            if weights is not None:
-                sink.loss_weight = weights[index]
-            sink.at_last_batch = index == last
+            weight = 1.0 if weights is None else weights[index]
+            info = BatchInfo(weight, index == last, source)
+            sink.handed_out(info)
             beat()
-            yield move_to_device(batch, self.device)
-        sink.loss_weight = 1.0
-        sink.at_last_batch = False
+            yield tag_batch(move_to_device(batch, self.device), info)
 
     def _batches(self) -> Iterator[Any]:
         """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the

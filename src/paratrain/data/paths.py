@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from paratrain.data.batched_loader import TensorBatchLoader
-from paratrain.data.loaders import DeviceLoader, ShardedBatchSampler, shard_loader
+from paratrain.data.loaders import BatchSink, DeviceLoader, ShardedBatchSampler, shard_loader
 from paratrain.data.tensor_data import TensorRows, tensor_rows
 from paratrain.utils.errors import UserError
 
@@ -69,7 +69,7 @@ def setup_data_path(
     world_size: int,
     seed: int | None,
     evaluation: bool,
-    sink: Any,
+    sink: BatchSink | None,
     data_path: str = "auto",
     device_budget_gib: float | None = None,
     batch_size: int | None = None,

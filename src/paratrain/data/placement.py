@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-from torch import nn
 
 from paratrain.utils.errors import PlacementError
 
@@ -51,21 +49,3 @@ def check_inputs_on(device: torch.device, args: tuple[Any, ...], kwargs: dict[st
                 f"the model is on {device} but got an input on {value.device}; pass batches "
                 "through rt.setup_loader(loader) or move them with rt.to_device(x)"
             )
-
-
-def guard_forward(model: nn.Module, device: torch.device) -> nn.Module:
-    """Turn PyTorch's device-mismatch error in ``model``'s forward into one that says what
-    to do (a model on one device; DataParallel scatters inputs from any device itself)."""
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def guarded_forward(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return forward(*args, **kwargs)
-        except RuntimeError as exc:
-            if "device" in str(exc):
-                check_inputs_on(device, args, kwargs)
-            raise
-
-    model.forward = guarded_forward
-    return model

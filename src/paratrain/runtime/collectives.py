@@ -8,7 +8,8 @@ from typing import TypeVar
 
 import torch
 
-from paratrain.distributed.collective import ReduceOp
+from paratrain.distributed.collective import Collective, ReduceOp
+from paratrain.runtime.agreement import BEFORE_COLLECTIVE
 from paratrain.runtime.evaluation_notes import EvaluationNotes
 from paratrain.runtime.parts import RuntimeView
 
@@ -26,27 +27,35 @@ class RuntimeCollectives:
         self.notes.reduced()
         collective = self.rt.strategy.collective
         with collective.operation("rt.all_reduce"):
-            self.rt.nonfinite.agree(collective, "all_reduce")
+            self._agree(collective, "all_reduce")
             return collective.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self.notes.reduced()
         collective = self.rt.strategy.collective
         with collective.operation("rt.all_gather"):
-            self.rt.nonfinite.agree(collective, "all_gather")
+            self._agree(collective, "all_gather")
             return collective.all_gather(tensor)
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         collective = self.rt.strategy.collective
         with collective.operation("rt.broadcast_object"):
-            self.rt.nonfinite.agree(collective, "broadcast_object")
+            self._agree(collective, "broadcast_object")
             return collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
 
     def barrier(self) -> None:
         collective = self.rt.strategy.collective
         with collective.operation("rt.barrier"):
-            self.rt.nonfinite.agree(collective, "barrier")
+            self._agree(collective, "barrier")
             collective.barrier()
+
+    def _agree(self, collective: Collective, what: str) -> None:
+        """Before a collective of the user's: check that every rank is at one too (the
+        step's agreement with a step of -1: a rank still training meets it in its step)."""
+        state = self.rt.state
+        if collective.world_size > 1 and not state.local_only:
+            here = f"in rt.{what} after {state.step} training steps"
+            state.agreement.exchange(collective, BEFORE_COLLECTIVE, here)
 
     def agree_seed(self, seed: int) -> int:
         """Rank 0's draw of a loader's permutation seed, on every process."""

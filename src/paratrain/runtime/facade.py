@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -101,8 +101,10 @@ class Runtime:
         self.speed = parts.speed
         self.precision = parts.precision
         self.seed = seed
-        self.accumulation = parts.accumulation
-        #: non-finite losses (PARATRAIN_NONFINITE); counts the optimizer steps
+        #: where training stands: optimizer steps, the accumulation group, the micro-batch
+        #: in hand, the step's agreement (paratrain.runtime.step_state)
+        self.state = parts.state
+        #: the policy for non-finite losses (--skip-nonfinite, PARATRAIN_NONFINITE)
         self.nonfinite = parts.nonfinite
         #: --oom auto: how many pieces each micro-batch is cut into
         self.micro_batches = parts.micro_batches
@@ -120,13 +122,13 @@ class Runtime:
     @property
     def accumulate_steps(self) -> int:
         """Micro-batches per optimizer step."""
-        return self.accumulation.steps
+        return self.state.accumulate
 
     @property
     def sync_gradients(self) -> bool:
         """Whether the next ``optimizer.step()`` applies the gradients (False while
         accumulating micro-batches)."""
-        return self.accumulation.sync_gradients
+        return self.state.sync_gradients
 
     # -- where am I --------------------------------------------------------------------------
     @property
@@ -227,7 +229,7 @@ class Runtime:
     def step_skipped(self) -> bool:
         """Whether the last ``rt.backward`` was skipped for a non-finite loss
         (``--skip-nonfinite`` / ``PARATRAIN_NONFINITE=skip``)."""
-        return self.nonfinite.skipped
+        return self.state.skipped
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Call before clipping gradients: under fp16 with a GradScaler they are scaled
@@ -239,15 +241,13 @@ class Runtime:
     def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Wrap a loop whose ranks may get different numbers of batches (torch's ``Join``):
         a rank that runs out waits for the others instead of hanging them."""
-        return join_uneven(model, self.nonfinite)
+        return join_uneven(model, self.state)
 
-    @contextlib.contextmanager
-    def accumulate(self, model: nn.Module) -> Iterator[None]:
+    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Wrap forward and backward of one micro-batch: skips the gradient all-reduce on
-        every micro-step but the last of each group of ``accumulate``."""
-        last = self.accumulation.next_is_last()
-        with contextlib.nullcontext() if last else self.strategy.no_sync(model):
-            yield
+        every micro-step but the last of each group of ``accumulate`` (decided when the
+        micro-batch's forward begins, from the batch itself)."""
+        return self._groups.step.accumulate(model)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast, for code outside the model's forward."""

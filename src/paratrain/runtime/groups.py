@@ -30,9 +30,10 @@ class MethodGroups:
     def of(cls, rt: RuntimeView) -> MethodGroups:
         notes = EvaluationNotes(rt.strategy.collective, rt.strategy.data_shards)
         collectives = RuntimeCollectives(rt, notes)
+        step = TrainingStep(rt)
         return cls(
-            setup=RuntimeSetup(rt, collectives.agree_seed, notes.loop_started, notes.tell),
-            step=TrainingStep(rt),
+            setup=RuntimeSetup(rt, collectives.agree_seed, notes.loop_started, notes.tell, step),
+            step=step,
             collectives=collectives,
             stop=StopOnSignal(rt),
             checkpoints=RuntimeCheckpoints(rt),

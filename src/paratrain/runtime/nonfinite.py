@@ -1,16 +1,17 @@
 """Non-finite losses: every rank stops (or skips) at the same step, and one message names the
 rank and the step.
 
-``rt.backward(loss)`` asks :meth:`NonFiniteCheck.admit` before the backward pass of every
-micro-batch. Once per optimizer step (before the backward of the micro-batch that ends it,
-so before the gradients are all-reduced) the ranks agree with one all-reduce of a few
+The step pipeline (:mod:`paratrain.runtime.step`) looks at every micro-batch's loss before
+its backward pass (:meth:`NonFiniteCheck.look`, then :meth:`NonFiniteCheck.settle`). Once per
+optimizer step (before the backward of the micro-batch that ends it, so before the gradients
+are all-reduced) the ranks agree with one all-reduce of a few
 float64 numbers: a marker, whether a rank saw a non-finite loss, and the step, in the step's
 one small all-reduce, which ``--oom auto`` and ``rt.should_stop()`` share
 (:mod:`paratrain.runtime.agreement`). That is the cost of the check: one small collective
 per optimizer step (and, on a GPU, reading it back). Only when a rank saw one does a second
 collective find which ranks.
 
-Policies (``PARATRAIN_NONFINITE``, or ``--skip-nonfinite``):
+Policies (the runtime's configuration: ``--skip-nonfinite``, or ``PARATRAIN_NONFINITE``):
 
 * ``error`` (default): every rank raises :class:`~paratrain.utils.errors.NonFiniteLossError`;
 * ``skip``: every rank skips that micro-batch's backward (the step then applies no gradient
@@ -24,7 +25,7 @@ scaled gradients overflowed, by design, and that is not an error.
 The marker and the step also catch ranks that reached different points of training
 (different numbers of batches, in a user's own loop): ``rt.all_reduce``, ``rt.all_gather``,
 ``rt.broadcast_object`` and ``rt.barrier`` first run the same small all-reduce with a step of
--1 (:meth:`NonFiniteCheck.agree`). A rank that ran out of batches and goes on to such a
+-1 (:mod:`paratrain.runtime.collectives`). A rank that ran out of batches and goes on to such a
 collective meets a rank still training at its step check; both see the mismatch and fail
 with one message, instead of pairing unrelated collectives (which gloo may turn into an
 abort, or into a hang).
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.distributed.collective import Collective
-from paratrain.runtime.agreement import BEFORE_COLLECTIVE, StepAgreement
 from paratrain.utils.errors import NonFiniteLossError, UserError
 
 POLICY_VARIABLE = "PARATRAIN_NONFINITE"
@@ -66,37 +66,26 @@ class Look:
 
 
 class NonFiniteCheck:
-    """Counts optimizer steps and agrees across ranks whether a loss was finite."""
+    """Whether a loss was finite, judged on every process alike (the policy's answer); the
+    step pipeline (:mod:`paratrain.runtime.step`) runs it, the step's agreement carries it."""
 
     def __init__(self, policy: str | None = None) -> None:
         self.policy = policy or policy_from_env()
         if self.policy not in POLICIES:
             raise UserError(f"non-finite policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        #: optimizer steps begun before the current one (a resumed loop sets its count)
-        self.step = 0
-        #: whether the last micro-batch's backward was skipped (policy ``skip``)
-        self.skipped = False
-        #: inside ``rt.join``: a rank that ran out of data takes no part in this collective,
-        #: so each rank checks only its own loss and fails alone
-        self.local_only = False
         self._pending: torch.Tensor | None = None  # earlier micro-batches of this step
-        #: the step's one small all-reduce, which this check shares with --oom auto and
-        #: rt.should_stop (:mod:`paratrain.runtime.agreement`)
-        self.agreement = StepAgreement()
 
-    def admit(self, loss: torch.Tensor, collective: Collective, ends_step: bool) -> bool:
-        """Whether this micro-batch's backward runs; raises under the ``error`` policy."""
-        look = self.look(loss, collective, ends_step)
-        bad = False
-        if look.bad is not None:
-            here = f"at training step {look.step}"
-            bad = self.agreement.exchange(collective, look.step, here, bad=look.bad).bad
-        return self.settle(look, collective, bad)
-
-    def look(self, loss: torch.Tensor, collective: Collective, ends_step: bool) -> Look:
+    def look(
+        self,
+        loss: torch.Tensor,
+        collective: Collective,
+        step: int,
+        ends_step: bool,
+        local_only: bool = False,
+    ) -> Look:
         """This process's part: changes nothing until :meth:`settle` (a piece that ran out
-        of memory somewhere is redone and looked at again)."""
-        step = self.step + 1
+        of memory somewhere is redone and looked at again). ``local_only``: inside
+        ``rt.join``, where a rank that ran out of data takes no part in an agreement."""
         if self.policy == "off":
             return Look(step, ends_step)
         if (
@@ -111,7 +100,7 @@ class NonFiniteCheck:
             bad = bad | self._pending
         if self.policy == "error" and not ends_step:
             return Look(step, ends_step, keep=bad)
-        if self.local_only:
+        if local_only:
             if bool(bad):
                 raise NonFiniteLossError(_message(str(collective.rank), step, self.policy))
             return Look(step, ends_step)
@@ -120,10 +109,7 @@ class NonFiniteCheck:
     def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
         """After the processes agreed that ``bad`` (some process saw a non-finite loss):
         whether the backward runs; raises under the ``error`` policy."""
-        if look.ends_step:
-            self.step = look.step
         self._pending = look.keep
-        self.skipped = False
         if look.bad is None or not bad:
             return True
         flags = collective.all_gather(look.bad.reshape(1).to(torch.uint8))
@@ -131,14 +117,7 @@ class NonFiniteCheck:
         if self.policy == "error":
             raise NonFiniteLossError(_message(ranks, look.step, self.policy))
         collective.note(f"paratrain: note: {_message(ranks, look.step, self.policy)}")
-        self.skipped = True
         return False
-
-    def agree(self, collective: Collective, what: str) -> None:
-        """Before a collective of the user's: check that every rank is at one too."""
-        if collective.world_size > 1 and not self.local_only:
-            here = f"in rt.{what} after {self.step} training steps"
-            self.agreement.exchange(collective, BEFORE_COLLECTIVE, here)
 
 
 def _message(ranks: str, step: int, policy: str) -> str:

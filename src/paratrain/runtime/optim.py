@@ -8,44 +8,12 @@ schedulers, ``isinstance`` checks and ``load_state_dict`` keep working on either
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from paratrain.devices.precision import Precision
-
-
-@dataclass
-class Accumulation:
-    """Where gradient accumulation stands: the runtime advances it in ``backward``, the
-    optimizer reads it in ``step``, and sharded loaders set the per-batch fields."""
-
-    #: micro-batches per optimizer step
-    steps: int = 1
-    #: micro-batches whose gradients are summed since the last optimizer step
-    micro_steps: int = 0
-    #: whether the next ``optimizer.step()`` applies the gradients
-    sync_gradients: bool = True
-    #: this process's loss weight for the current batch (uneven last batches across
-    #: processes), set by sharded loaders
-    loss_weight: float = 1.0
-    #: the current batch is the epoch's last: an unfinished group of micro-batches is applied
-    at_last_batch: bool = False
-
-    def micro_batch_done(self) -> None:
-        if self.steps > 1:
-            self.micro_steps += 1
-            self.sync_gradients = self.micro_steps >= self.steps or self.at_last_batch
-
-    def applied(self) -> None:
-        self.micro_steps = 0
-        self.sync_gradients = self.steps == 1
-
-    def next_is_last(self) -> bool:
-        """Whether the coming micro-batch ends its group (its gradients get synchronized)."""
-        return self.micro_steps + 1 >= self.steps or self.at_last_batch
-
+from paratrain.runtime.step_state import StepState
 
 _SCALER_ATTRIBUTES = frozenset({"grad_scale", "found_inf"})
 
@@ -94,36 +62,36 @@ class _BaseStep:
 
 class RuntimeOptimizer:
     _paratrain_precision: Precision
-    _paratrain_accumulation: Accumulation
+    _paratrain_state: StepState
     _paratrain_base: _BaseStep
     _paratrain_stepped: bool
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, precision: Precision, accumulation: Accumulation
+        self, optimizer: torch.optim.Optimizer, precision: Precision, state: StepState
     ) -> None:
         self.__dict__ = optimizer.__dict__
         self.__class__ = type(
             f"Runtime{type(optimizer).__name__}", (RuntimeOptimizer, type(optimizer)), {}
         )
         self._paratrain_precision = precision
-        self._paratrain_accumulation = accumulation
+        self._paratrain_state = state
         self._paratrain_base = _BaseStep(optimizer)
         self._paratrain_stepped = False
 
     def step(self, closure: Any = None) -> Any:
-        accumulation = self._paratrain_accumulation
-        if not accumulation.sync_gradients:
+        state = self._paratrain_state
+        if not state.sync_gradients:
             return None  # still accumulating micro-batches
         kwargs = {} if closure is None else {"closure": closure}
         result = self._paratrain_precision.optimizer_step(self._paratrain_base, **kwargs)
-        accumulation.applied()
+        state.applied()
         self._paratrain_stepped = True
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Keep accumulated gradients until they have been applied, whichever order the
         # loop calls zero_grad and step in.
-        if self._paratrain_accumulation.steps > 1 and not self._paratrain_stepped:
+        if self._paratrain_state.accumulate > 1 and not self._paratrain_stepped:
             return
         self._paratrain_base.zero_grad(set_to_none=set_to_none)
         self._paratrain_stepped = False

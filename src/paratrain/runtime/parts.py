@@ -18,8 +18,8 @@ from paratrain.runtime.config import RuntimeConfig
 from paratrain.runtime.determinism import numerics_settings
 from paratrain.runtime.nonfinite import NonFiniteCheck
 from paratrain.runtime.oom import MicroBatches
-from paratrain.runtime.optim import Accumulation
 from paratrain.runtime.speed import Speed
+from paratrain.runtime.step_state import StepState
 from paratrain.strategies import Strategy, build_strategy, check_sync_batchnorm
 from paratrain.utils.errors import UserError
 
@@ -33,7 +33,8 @@ class RuntimeView(Protocol):
     threads: ThreadChoice
     speed: Speed
     precision: Precision
-    accumulation: Accumulation
+    #: where training stands (paratrain.runtime.step_state): the step pipeline advances it
+    state: StepState
     nonfinite: NonFiniteCheck
     micro_batches: MicroBatches
     #: why --oom auto cannot work under this strategy (said once, at rt.setup), or None
@@ -50,7 +51,7 @@ class RuntimeParts:
     threads: ThreadChoice
     speed: Speed
     precision: Precision
-    accumulation: Accumulation
+    state: StepState
     nonfinite: NonFiniteCheck
     micro_batches: MicroBatches
     oom_refused: str | None
@@ -78,7 +79,7 @@ def assemble(config: RuntimeConfig) -> RuntimeParts:
         threads=threads,
         speed=Speed(config.speed, strategy),
         precision=Precision(config.precision, strategy.root_device),
-        accumulation=Accumulation(steps=config.accumulate),
+        state=StepState(config.accumulate),
         nonfinite=NonFiniteCheck(),
         micro_batches=MicroBatches("off" if oom_refused else config.oom),
         oom_refused=oom_refused,
@@ -91,7 +92,7 @@ def describe(rt: RuntimeView) -> dict[str, Any]:
         **rt.strategy.describe(),
         "precision": rt.precision.name,
         "world_size": rt.strategy.collective.world_size,
-        "accumulate": rt.accumulation.steps,
+        "accumulate": rt.state.accumulate,
         "deterministic": rt.config.deterministic,
         **rt.micro_batches.describe(),
         "activation_checkpointing": rt.config.activation_checkpointing,

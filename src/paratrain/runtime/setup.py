@@ -5,16 +5,18 @@ what ``rt.setup_loader`` applies to a loader (the global batch, the data path, t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paratrain.data.loaders import DeviceLoader
+from paratrain.data.loaders import BatchInfo, DeviceLoader, batch_info
 from paratrain.data.paths import setup_data_path
-from paratrain.data.placement import guard_forward
+from paratrain.data.placement import check_inputs_on
+from paratrain.devices.precision import Precision, to_float32
 from paratrain.models.meta_init import MetaInit, is_meta
 from paratrain.runtime.activation_checkpointing import apply_activation_checkpointing
 from paratrain.runtime.batching import global_batch_size
@@ -22,6 +24,14 @@ from paratrain.runtime.determinism import naming_nondeterministic
 from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state
 from paratrain.runtime.parts import RuntimeView
 from paratrain.utils.errors import UserError
+
+
+class StepHooks(Protocol):
+    """What the model's forward tells the step pipeline (:mod:`paratrain.runtime.step`)."""
+
+    def begin(self, info: BatchInfo | None) -> None: ...
+
+    def forward_failed(self, exc: torch.OutOfMemoryError) -> None: ...
 
 
 class RuntimeSetup:
@@ -33,11 +43,13 @@ class RuntimeSetup:
         agree_seed: Callable[[int], int],
         loop_started: Callable[[DeviceLoader], None],
         tell: Callable[[str, str], None],
+        step: StepHooks,
     ) -> None:
         self.rt = rt
         self.agree_seed = agree_seed
         self.loop_started = loop_started
         self.tell = tell  # a note said once, on the main process
+        self.step = step
 
     def model(
         self,
@@ -73,11 +85,11 @@ class RuntimeSetup:
         if optimizer is not None:
             strategy.rebind_optimizer(optimizer)  # fsdp: the sharded parameters
         wrapped = rt.speed.wrap_model(wrapped, rt.precision.name, rt.precision.autocast)
-        if len(strategy.devices) == 1:  # DataParallel scatters inputs itself
-            wrapped = guard_forward(wrapped, strategy.root_device)
-        wrapped = rt.precision.wrap_forward(wrapped)
-        if config.deterministic:
-            wrapped.forward = naming_nondeterministic(wrapped.forward)
+        # DataParallel scatters inputs from any device itself: no device advice there
+        guard = strategy.root_device if len(strategy.devices) == 1 else None
+        wrapped.forward = step_forward(
+            wrapped.forward, self.step, guard, rt.precision, config.deterministic
+        )
         result: list[Any] = [wrapped]
         if optimizer is not None:
             result.append(self._setup_optimizer(model, optimizer))
@@ -113,9 +125,9 @@ class RuntimeSetup:
         rt = self.rt
         move_optimizer_state(optimizer, rt.strategy.root_device)
         rt.speed.prepare_optimizer(optimizer)
-        if rt.precision.scaler is None and rt.accumulation.steps == 1:
+        if rt.precision.scaler is None and rt.state.accumulate == 1:
             return optimizer
-        return RuntimeOptimizer(optimizer, rt.precision, rt.accumulation)  # type: ignore[return-value]
+        return RuntimeOptimizer(optimizer, rt.precision, rt.state)  # type: ignore[return-value]
 
     def loader(
         self,
@@ -139,7 +151,7 @@ class RuntimeSetup:
             world_size=shards,
             seed=rt.seed,
             evaluation=evaluation,
-            sink=None if evaluation else rt.accumulation,
+            sink=None if evaluation else rt.state,
             data_path=data_path,
             device_budget_gib=device_budget_gib,
             batch_size=batch_size,
@@ -148,3 +160,37 @@ class RuntimeSetup:
         if shards > 1:
             device_loader.on_no_grad = self.loop_started
         return device_loader
+
+
+def step_forward(
+    forward: Callable[..., Any],
+    step: StepHooks,
+    guard: torch.device | None,
+    precision: Precision,
+    deterministic: bool,
+) -> Callable[..., Any]:
+    """The model's forward as the runtime runs it, in one wrapper: the step pipeline's
+    micro-batch begins (its batch's loss weight and place in the accumulation group), the
+    precision's autocast (outputs back to float32), a device mismatch explained (``guard``:
+    the one device inputs belong on), and nondeterministic operations named."""
+    autocast = precision.autocast if precision.dtype is not None else None
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # a training forward: evaluation begins nothing
+            step.begin(batch_info(args, kwargs))
+        try:
+            if autocast is None:
+                return forward(*args, **kwargs)
+            with autocast():
+                output = forward(*args, **kwargs)
+            return to_float32(output)
+        except torch.OutOfMemoryError as exc:
+            step.forward_failed(exc)
+            raise
+        except RuntimeError as exc:
+            if guard is not None and "device" in str(exc):
+                check_inputs_on(guard, args, kwargs)
+            raise
+
+    return naming_nondeterministic(run) if deterministic else run

@@ -32,9 +32,9 @@ class StopOnSignal:
             self._stop = preemption.agree(collective)
             return self._stop is not None
         preemption.watch()  # the first call installs the handlers
-        agreement = self.rt.nonfinite.agreement
+        agreement = self.rt.state.agreement
         if agreement.count == self._seen:  # none since the last call: one of its own
-            here = f"in rt.should_stop after {self.rt.nonfinite.step} training steps"
+            here = f"in rt.should_stop after {self.rt.state.step} training steps"
             agreement.exchange(collective, BEFORE_STOP, here)
         # else the step's agreement carried the stop (paratrain.runtime.agreement)
         self._seen = agreement.count
@@ -50,6 +50,6 @@ class StopOnSignal:
         if self.rt.strategy.collective.is_main:
             print(message, file=sys.stderr, flush=True)
         self._stop = None
-        self.rt.nonfinite.agreement.stop = None  # acted on: a later loop runs on
+        self.rt.state.agreement.stop = None  # acted on: a later loop runs on
         preemption.clear()
         raise preemption.Stopped(request, message)

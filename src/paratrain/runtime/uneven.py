@@ -21,18 +21,18 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.runtime.nonfinite import NonFiniteCheck
+from paratrain.runtime.step_state import StepState
 
 
 @contextlib.contextmanager
-def join_uneven(model: nn.Module, check: NonFiniteCheck) -> Iterator[None]:
+def join_uneven(model: nn.Module, state: StepState) -> Iterator[None]:
     """``Join([model])`` for a DDP model; nothing to do for one process."""
     if not isinstance(model, DistributedDataParallel):
         yield
         return
-    check.local_only = True
+    state.local_only = True
     try:
         with Join([model]):
             yield
     finally:
-        check.local_only = False
+        state.local_only = False

@@ -149,6 +149,16 @@ class Strategy(ABC):
         """Skip gradient synchronization (gradient accumulation's first micro-steps)."""
         return contextlib.nullcontext()
 
+    def forward_state(self, model: nn.Module) -> Any:
+        """What a forward of ``model`` changes in the strategy's wrapper, before it runs (see
+        :meth:`forget_forward`)."""
+        return None
+
+    def forget_forward(self, model: nn.Module, state: Any) -> None:  # noqa: B027  (optional hook)
+        """A forward ran whose backward never will (``--oom auto`` drops a piece on every
+        process): put the wrapper back as :meth:`forward_state` found it, on every process
+        alike, so that the next backward runs the same collectives everywhere."""
+
     def teardown(self) -> None:  # noqa: B027  (optional hook)
         """Leave the process group; safe to call twice."""
 

@@ -187,6 +187,22 @@ class DDPStrategy(Strategy):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def forward_state(self, model: nn.Module) -> Any:
+        ddp = getattr(model, "_orig_mod", model)
+        if isinstance(ddp, DistributedDataParallel):
+            return ddp.require_forward_param_sync
+        return None
+
+    def forget_forward(self, model: nn.Module, state: Any) -> None:
+        # A forward that ended (on some processes) prepared DDP's reducer for a backward:
+        # left so, the next backward would all-reduce there even under no_sync, and not on a
+        # process whose forward failed. Every process resets it (the buckets are rebuilt on
+        # all alike) and takes back the buffer-sync flag its forward set.
+        ddp = getattr(model, "_orig_mod", model)
+        if isinstance(ddp, DistributedDataParallel):
+            ddp.reducer._reset_state()
+            ddp.require_forward_param_sync = bool(state)
+
     def _teardown_at_exit(self) -> None:
         # After an uncaught exception, leave the group by dying: peers then fail after this
         # process is gone, so torchrun reports this rank as the cause, not a peer.

@@ -187,7 +187,7 @@ def train(
     contention = ContentionGuard(torch.get_num_threads() if rt.threads.source == "chosen" else 1)
     if rt.world_size == 1 and (note := load_note(rt.threads, 1)) is not None:
         print(f"paratrain: note: {note}", file=sys.stderr, flush=True)  # launchers say theirs
-    rt.nonfinite.step = step  # steps are named by their number in the whole run
+    rt.state.step = step  # steps are named by their number in the whole run
     last = at.last_metrics  # a resumed run that trains no further still has its figures
     train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
     accuracy = last.get("eval_accuracy")

@@ -1,0 +1,113 @@
+"""Where training stands, in one object the runtime owns: :class:`StepState`.
+
+The step pipeline (:mod:`paratrain.runtime.step`) is the only code that advances it; the
+optimizer wrapper reads whether the next ``optimizer.step()`` applies the gradients, the stop
+and the user's collectives read the step count and the last agreement, loaders tell it of
+each training batch they hand out.
+
+A micro-batch's loss weight and whether it ends the epoch travel with the batch
+(:class:`~paratrain.data.loaders.BatchInfo`, an attribute of its tensors) and are taken when
+the batch is *used*: at the first forward of the model after the previous micro-batch's
+backward (or at ``rt.forward_backward``). A loop that takes batches ahead of use
+(prefetching, ``list(loader)``, ``zip`` with a longer loader, ``itertools.islice``) therefore
+trains the same model as the plain loop. A forward whose inputs carry no info (tensors the
+loop made itself, e.g. ``x.float()``) takes the oldest batch handed out and not yet used.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from paratrain.data.loaders import PLAIN_BATCH, BatchInfo
+from paratrain.runtime.agreement import StepAgreement
+
+#: batches handed out and not yet used that are remembered (a loop that never trains on
+#: what it takes must not grow this without bound)
+_REMEMBERED = 4096
+
+
+class StepState:
+    """The optimizer-step count, the accumulation group, the micro-batch in hand and the
+    step's agreement; advanced by the step pipeline only."""
+
+    def __init__(self, accumulate: int = 1) -> None:
+        #: micro-batches per optimizer step
+        self.accumulate = accumulate
+        #: optimizer steps begun before the current one (a resumed loop sets its count)
+        self.step = 0
+        #: micro-batches whose gradients are summed since the last optimizer step
+        self.micro_steps = 0
+        #: whether the next ``optimizer.step()`` applies the gradients
+        self.sync_gradients = True
+        #: whether the last micro-batch's backward was skipped (a non-finite loss, ``skip``)
+        self.skipped = False
+        #: the micro-batch in hand: its loss weight, whether it ends the epoch
+        self.batch: BatchInfo = PLAIN_BATCH
+        #: the step's one small all-reduce (:mod:`paratrain.runtime.agreement`)
+        self.agreement = StepAgreement()
+        #: inside ``rt.join``: a rank that ran out of data takes no part in agreements
+        self.local_only = False
+        self._begun = False
+        self._handed: deque[BatchInfo] = deque(maxlen=_REMEMBERED)
+
+    # -- what loaders tell (paratrain.data.loaders.BatchSink) ---------------------------------
+    def handed_out(self, info: BatchInfo) -> None:
+        self._handed.append(info)
+
+    def restarted(self, source: int) -> None:
+        """A loader starts an epoch: what it handed out before and nobody used is gone."""
+        if any(info.source == source for info in self._handed):
+            kept = [info for info in self._handed if info.source != source]
+            self._handed = deque(kept, maxlen=_REMEMBERED)
+
+    # -- the micro-batch ---------------------------------------------------------------------
+    @property
+    def begun(self) -> bool:
+        return self._begun
+
+    def begin(self, info: BatchInfo | None) -> bool:
+        """The micro-batch's first forward (or backward); ``info``: what its inputs carry.
+        True when this call began it (later forwards of the same micro-batch change
+        nothing)."""
+        if self._begun:
+            return False
+        if info is None:
+            info = self._handed.popleft() if self._handed else PLAIN_BATCH
+        else:
+            self._forget(info)
+        self.batch = info
+        self._begun = True
+        return True
+
+    def _forget(self, info: BatchInfo) -> None:
+        for index, held in enumerate(self._handed):
+            if held is info:
+                del self._handed[index]
+                return
+
+    @property
+    def ends_group(self) -> bool:
+        """Whether the micro-batch in hand ends its group (its gradients are synchronized
+        and the next ``optimizer.step()`` applies them)."""
+        return self.micro_steps + 1 >= self.accumulate or self.batch.ends_epoch
+
+    @property
+    def loss_scale(self) -> float:
+        """What the micro-batch's loss is multiplied by before its backward."""
+        return self.batch.loss_weight / self.accumulate
+
+    def micro_batch_done(self) -> None:
+        """After the micro-batch's backward (a skipped one too: on every rank alike)."""
+        ends = self.ends_group
+        self._begun = False
+        self.batch = PLAIN_BATCH
+        if ends:
+            self.step += 1
+        if self.accumulate > 1:
+            self.micro_steps += 1
+            self.sync_gradients = ends
+
+    def applied(self) -> None:
+        """``optimizer.step()`` applied the group's gradients."""
+        self.micro_steps = 0
+        self.sync_gradients = self.accumulate == 1
