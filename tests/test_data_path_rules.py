@@ -5,7 +5,6 @@ does not apply. test_data_paths.py checks that the paths give the same batches."
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from paratrain.data.batched_loader import TensorBatchLoader
+from paratrain.data.loaders import PLAIN_BATCH, batch_info
 from paratrain.data.paths import (
     _device_unfit,
     check_data_path,
@@ -20,6 +20,7 @@ from paratrain.data.paths import (
     setup_data_path,
 )
 from paratrain.data.tensor_data import TensorRows, tensor_rows
+from paratrain.runtime.step_state import StepState
 from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def _setup(loader: DataLoader[Any], data_path: str, **kwargs: Any) -> Any:
         rank=0,
         world_size=1,
         evaluation=False,
-        sink=SimpleNamespace(loss_weight=1.0, at_last_batch=False),
+        sink=StepState(),
         data_path=data_path,
         **kwargs,
     )
@@ -126,13 +127,13 @@ def test_a_loader_with_its_own_sampler_is_told_how_to_build_one() -> None:
 
 
 def test_auto_falls_back_to_the_sharded_loader_whole() -> None:
-    sink = SimpleNamespace(loss_weight=1.0, at_last_batch=False)
+    sink = StepState()
     own = DataLoader(_data(), batch_size=4, collate_fn=lambda rows: default_collate(rows))
     loader = setup_data_path(
         own, device=CPU, rank=0, world_size=1, seed=0, evaluation=False, sink=sink
     )
     assert loader.data_path == "loader" and loader.device == CPU and not loader.evaluation
-    seen = [(b[0].flatten().tolist(), sink.at_last_batch) for b in loader]
+    seen = [(b[0].flatten().tolist(), (batch_info(b) or PLAIN_BATCH).ends_epoch) for b in loader]
     assert seen == [([0, 1, 2, 3], False), ([4, 5, 6, 7], True)]
     assert loader.epoch == 0
 

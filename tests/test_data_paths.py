@@ -2,14 +2,13 @@
 
 Every comparison runs the per-sample DataLoader path ("loader") next to a tensor path
 ("batched", or the device-resident one on the CPU) with the same settings, and asks for
-``torch.equal`` batches, the same loss weights and ``at_last_batch`` signals, the same
+``torch.equal`` batches, the same loss weights and epoch ends carried, the same
 ``len()`` and the same epochs, through automatic epochs and ``set_epoch(epoch, start_batch)``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,9 +23,10 @@ from paratrain.cli.main import main
 from paratrain.data.batched_loader import TensorBatchLoader
 from paratrain.data.cifar import CIFAR_MEAN, CIFAR_STD, _to_dataset
 from paratrain.data.images import NormalizedImages
-from paratrain.data.loaders import DeviceLoader, shard_loader
+from paratrain.data.loaders import PLAIN_BATCH, DeviceLoader, batch_info, shard_loader
 from paratrain.data.paths import _device_unfit, setup_data_path
 from paratrain.data.tensor_data import TensorRows, tensor_rows
+from paratrain.runtime.step_state import StepState
 from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
@@ -53,8 +53,8 @@ def _setup(
     shuffle: bool = True,
     drop_last: bool = False,
     device: torch.device = CPU,
-) -> tuple[DeviceLoader, SimpleNamespace]:
-    sink = SimpleNamespace(loss_weight=1.0, at_last_batch=False)
+) -> tuple[DeviceLoader, StepState]:
+    sink = StepState()
     loader = setup_data_path(
         DataLoader(dataset, batch_size=6, shuffle=shuffle, drop_last=drop_last),
         device=device,
@@ -68,16 +68,17 @@ def _setup(
     return loader, sink
 
 
-def _record(loader: DeviceLoader, sink: SimpleNamespace) -> list[Any]:
-    """Everything a loop can observe: batches, signals, lengths and epochs."""
+def _record(loader: DeviceLoader, sink: StepState) -> list[Any]:
+    """Everything a loop can observe: batches, what they carry, lengths and epochs."""
     seen: list[Any] = []
     for step in PLAN:
         if step is not None:
             loader.set_epoch(*step)
         seen.append(("len before", len(loader)))
         for batch in loader:
-            seen.append((batch, sink.loss_weight, sink.at_last_batch))
-        seen.append(("after", len(loader), loader.epoch, sink.loss_weight, sink.at_last_batch))
+            info = batch_info(batch) or PLAIN_BATCH
+            seen.append((batch, info.loss_weight, info.ends_epoch))
+        seen.append(("after", len(loader), loader.epoch))
     return seen
 
 
@@ -128,8 +129,8 @@ def test_device_resident_cut_equals_loader_on_any_device(world: int, evaluation:
 
 def _resident(
     dataset: Any, rank: int, world: int, evaluation: bool, device: torch.device
-) -> tuple[TensorBatchLoader, SimpleNamespace]:
-    sink = SimpleNamespace(loss_weight=1.0, at_last_batch=False)
+) -> tuple[TensorBatchLoader, StepState]:
+    sink = StepState()
     rebuilt, sampler = shard_loader(
         DataLoader(dataset, batch_size=6, shuffle=True),
         rank=rank,

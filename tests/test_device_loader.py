@@ -6,14 +6,19 @@ compare paths with one another; these pin the values themselves."""
 from __future__ import annotations
 
 import warnings
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler, TensorDataset
 
-from paratrain.data.loaders import DeviceLoader, ShardedBatchSampler, shard_loader
+from paratrain.data.loaders import (
+    BatchInfo,
+    DeviceLoader,
+    ShardedBatchSampler,
+    batch_info,
+    shard_loader,
+)
 from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
@@ -33,32 +38,49 @@ def _device_loader(
     return DeviceLoader(rebuilt, CPU, sampler, sink)
 
 
-def _signals(loader: DeviceLoader, sink: SimpleNamespace) -> list[tuple[list[int], float, bool]]:
-    return [(b[0].tolist(), sink.loss_weight, sink.at_last_batch) for b in loader]
+class _Sink:
+    """What the runtime's step state is told: each batch handed out, each restart."""
+
+    def __init__(self) -> None:
+        self.handed: list[BatchInfo] = []
+        self.restarts = 0
+
+    def handed_out(self, info: BatchInfo) -> None:
+        self.handed.append(info)
+
+    def restarted(self, source: int) -> None:
+        self.restarts += 1
+
+
+def _signals(loader: DeviceLoader) -> list[tuple[list[int], float, bool]]:
+    """Each batch's samples and what it carries: its loss weight, whether it ends the epoch."""
+    signals = []
+    for batch in loader:
+        info = batch_info(batch)
+        assert info is not None
+        signals.append((batch[0].tolist(), info.loss_weight, info.ends_epoch))
+    return signals
 
 
 def test_loss_weights_make_the_mean_of_ranks_the_global_mean() -> None:
     # 15 samples in batches of 4 on 3 processes: 4, 4, 4, 3 split 2-1-1 and 1-1-1
-    sink = SimpleNamespace(loss_weight=1.0, at_last_batch=False)
+    sink = _Sink()
     loader = _device_loader(0, 3, sink)
-    assert _signals(loader, sink) == [
-        ([0, 1], 1.5, False),
-        ([4, 5], 1.5, False),
-        ([8, 9], 1.5, False),
-        ([12], 1.0, True),
-    ]
-    assert (sink.loss_weight, sink.at_last_batch) == (1.0, False)  # reset after the epoch
+    expected = [([0, 1], 1.5, False), ([4, 5], 1.5, False), ([8, 9], 1.5, False), ([12], 1.0, True)]
+    assert _signals(loader) == expected
+    # the sink heard of each batch as it was handed out, and of the epoch's start
+    assert [(i.loss_weight, i.ends_epoch) for i in sink.handed] == [e[1:] for e in expected]
+    assert sink.restarts == 1
     loader.set_epoch(1, start_batch=2)
-    assert _signals(loader, sink) == [([8, 9], 1.5, False), ([12], 1.0, True)]
-    sink = SimpleNamespace(loss_weight=1.0, at_last_batch=False)
-    assert [w for _, w, _ in _signals(_device_loader(2, 3, sink), sink)] == [0.75, 0.75, 0.75, 1.0]
+    assert _signals(loader) == [([8, 9], 1.5, False), ([12], 1.0, True)]
+    assert [w for _, w, _ in _signals(_device_loader(2, 3, _Sink()))] == [0.75, 0.75, 0.75, 1.0]
 
 
 def test_one_process_or_no_sink_sets_no_weights() -> None:
-    sink = SimpleNamespace(loss_weight=0.5, at_last_batch=False)
-    assert [w for _, w, _ in _signals(_device_loader(0, 1, sink), sink)] == [0.5] * 4
-    assert sink.loss_weight == 1.0
+    assert [w for _, w, _ in _signals(_device_loader(0, 1, _Sink()))] == [1.0] * 4
     assert _device_loader(0, 3, None)._loss_weights() is None
+    evaluation = _device_loader(0, 3, None, evaluation=True)
+    assert all(batch_info(b) is None for b in evaluation)  # only training batches carry it
 
 
 def test_epochs_advance_by_one_unless_pinned() -> None:

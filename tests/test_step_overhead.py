@@ -1,7 +1,11 @@
-"""The runtime's per-step path in one process (``--strategy cpu``): the cheap finite-loss
-check keeps every guarantee of the non-finite policies."""
+"""The runtime's per-step path in one process (``--strategy cpu``): the finite-loss check,
+read one step late on the quiet path, keeps every guarantee of the non-finite policies: a
+NaN stops the run by the next step, or at the first checkpoint, final weights or collective
+before it, naming its own step."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,18 +30,38 @@ def _parts(rt: paratrain.Runtime) -> tuple[nn.Module, torch.optim.Optimizer]:
     return rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[no-any-return]
 
 
-def test_a_nan_loss_still_stops_a_one_process_run_at_its_step() -> None:
+def test_a_nan_loss_stops_a_one_process_run_by_the_next_step_naming_its_own() -> None:
     rt = paratrain.Runtime(strategy="cpu")
     model, optimizer = _parts(rt)
     _step(rt, model, optimizer, bad=False)
+    _step(rt, model, optimizer, bad=True)  # sent, read at the next step's check
     with pytest.raises(NonFiniteLossError, match="at step 2"):
-        _step(rt, model, optimizer, bad=True)
+        _step(rt, model, optimizer, bad=False)
+
+
+@pytest.mark.parametrize("before", ["save", "save_weights", "settle", "all_reduce"])
+def test_a_nan_loss_is_read_before_anything_is_written(tmp_path: Path, before: str) -> None:
+    """rt.save, rt.save_weights, rt.settle and the runtime's collectives read the last
+    step's check first: nothing is written from a step with a NaN loss."""
+    rt = paratrain.Runtime(strategy="cpu")
+    model, optimizer = _parts(rt)
+    _step(rt, model, optimizer, bad=True)
+    calls = {
+        "save": lambda: rt.save(tmp_path / "state.pt", {"model": model}),
+        "save_weights": lambda: rt.save_weights(model, tmp_path / "model.safetensors"),
+        "settle": rt.settle,
+        "all_reduce": lambda: rt.all_reduce(torch.ones(1)),
+    }
+    with pytest.raises(NonFiniteLossError, match="at step 1"):
+        calls[before]()
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_nan_micro_batch_is_found_at_the_end_of_its_step() -> None:
     rt = paratrain.Runtime(strategy="cpu", accumulate=2)
     model, optimizer = _parts(rt)
     _step(rt, model, optimizer, bad=True)  # deferred: no check inside the group
+    _step(rt, model, optimizer, bad=False)  # the group's check, sent
     with pytest.raises(NonFiniteLossError, match="at step 1"):
         _step(rt, model, optimizer, bad=False)
 

@@ -5,7 +5,9 @@ Three agreements meet at that point of a step, and each used to cost an all-redu
 own: whether a loss was NaN or infinite (:mod:`paratrain.runtime.nonfinite`), whether a
 process ran out of memory in its forward (``--oom auto``, :mod:`paratrain.runtime.oom`),
 and whether a signal asked for a stop (:mod:`paratrain.launching.preemption`, read by
-``rt.should_stop()`` after the step). They travel together, reduced with ``max``:
+``rt.should_stop()`` after the step). They travel together, reduced with ``max``, in the
+named slots of :data:`SLOTS` (:class:`Proposal` writes a process's message, :class:`Told`
+reads the reduced one by name):
 
 ======  ==========================================================================
 0, 1    a marker and minus it: a process whose part is not this agreement shows
@@ -16,12 +18,18 @@ and whether a signal asked for a stop (:mod:`paratrain.launching.preemption`, re
 9       ``pipeline``: the batch's loss, from the last stage (-inf from the others)
 ======  ==========================================================================
 
-A stop rides along with whatever agreement comes first; ``rt.should_stop()`` then reads the
-last one instead of running its own all-reduce. A signal that arrives after a step's
-agreement is therefore acted on one step later, on every process alike; only a
-``should_stop()`` with no agreement since the previous one (before the first step, or a
-loop without ``rt.backward``) runs an agreement of its own. Who saw which non-finite loss
-or ran out of memory is asked only when one did (a second collective, rare). Under
+A stop rides along with whatever agreement comes first; ``rt.should_stop()`` then uses the
+last one read instead of running its own all-reduce. On the quiet path (the default: the
+``error`` policy, no ``--oom auto``) a step's agreement is sent before its backward and read
+at the next step's, from a host copy made without waiting for the device, so a step never
+waits for its own all-reduce. A non-finite loss therefore stops every process by the next
+step (its message names its own step), and a signal is acted on one step after the
+agreement that carried it; ``rt.save``, ``rt.save_weights``, ``rt.settle`` and the
+runtime's collectives read every agreement first, so nothing is written from a step with
+a non-finite loss. Only a ``should_stop()`` with no agreement since the previous one (before
+the first step, after an evaluation, a loop without ``rt.backward``) runs one of its own.
+Who saw which non-finite loss or ran out of memory is asked only when one did (a second
+collective, rare). Under
 ``pipeline`` the step's agreement comes after its forward and backward (they run together)
 and also hands every process the last stage's loss, which used to be one more all-reduce.
 """
@@ -29,7 +37,10 @@ and also hands every process the last stage's loss, which used to be one more al
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,15 +69,168 @@ class Verdict:
     value: float = -math.inf
 
 
+#: the message's slots, in order (all float64, reduced with max)
+SLOTS = (
+    "marker",
+    "minus_marker",
+    "step",
+    "minus_step",
+    "bad",
+    "failed",
+    "samples",
+    "signum",
+    "minus_at",
+    "value",
+)
+_AT = {name: index for index, name in enumerate(SLOTS)}
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What one process brings to the agreement (its flags on the host; the non-finite flag
+    and the pipeline's loss stay on the device until the all-reduce)."""
+
+    step: int
+    failed: bool = False
+    samples: int = 0
+    signum: float = 0.0
+    minus_at: float = -math.inf
+
+    def encode(self, bad: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
+        slots = dict.fromkeys(SLOTS, 0.0)
+        slots.update(marker=_MARKER, minus_marker=-_MARKER, step=self.step, minus_step=-self.step)
+        slots.update(failed=float(self.failed), samples=float(self.samples))
+        slots.update(signum=self.signum, minus_at=self.minus_at, value=-math.inf)
+        place = bad if bad is not None else value
+        device = None if place is None else place.device
+        message = torch.tensor([slots[name] for name in SLOTS], dtype=torch.float64, device=device)
+        if bad is not None:
+            message[_AT["bad"]] = bad.to(torch.float64)  # stays on the device
+        if value is not None:  # max would be undefined with a NaN: -inf stands for it
+            finite = value.detach().to(torch.float64)
+            message[_AT["value"]] = torch.where(torch.isfinite(finite), finite, -math.inf)
+        return message
+
+
+@dataclass(frozen=True)
+class Told:
+    """The reduced message, read back by name."""
+
+    marker: float
+    minus_marker: float
+    step: float
+    minus_step: float
+    bad: bool
+    failed: bool
+    samples: int
+    signum: float
+    minus_at: float
+    value: float
+
+    @classmethod
+    def decode(cls, values: list[float]) -> Told:
+        named: dict[str, Any] = dict(zip(SLOTS, values, strict=True))
+        named.update(bad=named["bad"] > 0, failed=named["failed"] > 0)
+        named["samples"] = int(named["samples"])
+        return cls(**named)
+
+    def same_point(self, step: int) -> bool:
+        """Every process brought this message, at this step (max == -max(-x))."""
+        return (self.marker, -self.minus_marker, self.step, -self.minus_step) == (
+            _MARKER,
+            _MARKER,
+            float(step),
+            float(step),
+        )
+
+
+class HostCopy:
+    """A small tensor's values on the host, copied without waiting for the device: on CUDA
+    into pinned memory behind an event, read (waiting if it must) only when asked."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: Any = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:  # the CPU's values are there already (MPS: read when asked)
+            self._host = tensor
+
+    def values(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """An agreement sent and not read yet."""
+
+    step: int
+    here: str
+    rank: int
+    world_size: int
+    copy: HostCopy
+    #: what the verdict is handed to once read (the non-finite policy's judgement)
+    on_read: Callable[[Verdict], None]
+
+
 class StepAgreement:
     """The agreements of one runtime; counts them so that ``rt.should_stop()`` knows
-    whether one carried the stop since its last call (the same count on every process)."""
+    whether one carried the stop since its last call (the same count on every process).
+
+    On the quiet path (nothing to decide before the backward: the ``error`` policy for
+    non-finite losses, no ``--oom auto``) a step's agreement is *sent* (:meth:`send`) and
+    read later (:meth:`settle`): at the next step's agreement, at ``rt.should_stop()`` (which
+    reads all but the newest), before a checkpoint, the final weights or any of the runtime's
+    collectives. The host never waits for the device inside a step."""
 
     def __init__(self) -> None:
-        #: agreements among several processes so far
+        #: agreements among several processes read so far
         self.count = 0
+        #: agreements begun (sent or exchanged), whether read yet or not
+        self.begun = 0
         #: the stop agreed on at the last one
         self.stop: preemption.Request | None = None
+        self._sent: deque[_Sent] = deque()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether an agreement was sent and not read yet."""
+        return bool(self._sent)
+
+    def send(
+        self,
+        collective: Collective,
+        step: int,
+        here: str,
+        bad: torch.Tensor,
+        on_read: Callable[[Verdict], None],
+    ) -> None:
+        """The all-reduce of :meth:`exchange` (none for one process), read later: ``on_read``
+        gets the verdict when :meth:`settle` reads it."""
+        self.settle(collective)  # the previous step's, whose all-reduce ended long ago
+        self.begun += 1
+        if collective.world_size == 1:
+            message = bad.reshape(1).to(torch.float64)
+        else:
+            signum, minus_at = preemption.local_values()
+            proposal = Proposal(step, signum=signum, minus_at=minus_at)
+            message = collective.all_reduce(proposal.encode(bad, None), "max")
+        copy = HostCopy(message)
+        self._sent.append(_Sent(step, here, collective.rank, collective.world_size, copy, on_read))
+
+    def settle(self, collective: Collective, newest: bool = True) -> None:
+        """Read what was sent: everything, or all but the newest (``newest=False``)."""
+        while self._sent and (newest or len(self._sent) > 1):
+            sent = self._sent.popleft()
+            values = sent.copy.values()
+            if sent.world_size == 1:
+                sent.on_read(Verdict(bad=values[0] > 0, stop=preemption.requested()))
+                continue
+            sent.on_read(self._told(Told.decode(values), sent.step, sent.here, sent.rank))
 
     def exchange(
         self,
@@ -78,10 +242,13 @@ class StepAgreement:
         samples: int = 0,
         value: torch.Tensor | None = None,
     ) -> Verdict:
-        """One all-reduce (none for one process). ``bad``: this process's non-finite flag,
-        on its device (no sync before the collective); ``here``: where this process is, for
-        the message when the processes are not all at the same point; ``value``: a number
-        that only this process has (one process gives it; a non-finite one is not passed)."""
+        """One all-reduce (none for one process), read at once. ``bad``: this process's
+        non-finite flag, on its device (no sync before the collective); ``here``: where this
+        process is, for the message when the processes are not all at the same point;
+        ``value``: a number that only this process has (one process gives it; a non-finite
+        one is not passed)."""
+        self.settle(collective)
+        self.begun += 1
         if collective.world_size == 1:
             found = -math.inf if value is None else value.item()
             return Verdict(
@@ -92,23 +259,17 @@ class StepAgreement:
                 found if math.isfinite(found) else -math.inf,
             )
         signum, minus_at = preemption.local_values()
-        values = [_MARKER, -_MARKER, float(step), -float(step), 0.0]
-        values += [float(failed), float(samples), signum, minus_at, -math.inf]
-        place = bad if bad is not None else value
-        device = None if place is None else place.device
-        known = torch.tensor(values, dtype=torch.float64, device=device)
-        if bad is not None:
-            known[4] = bad.to(torch.float64)  # stays on the device
-        if value is not None:  # max would be undefined with a NaN: -inf stands for it
-            finite = value.detach().to(torch.float64)
-            known[9] = torch.where(torch.isfinite(finite), finite, -math.inf)
-        told: list[float] = collective.all_reduce(known, "max").tolist()
-        if told[:4] != [_MARKER, -_MARKER, float(step), -float(step)]:
+        mine = Proposal(step, failed, samples, signum, minus_at)
+        told = Told.decode(collective.all_reduce(mine.encode(bad, value), "max").tolist())
+        return self._told(told, step, here, collective.rank)
+
+    def _told(self, told: Told, step: int, here: str, rank: int) -> Verdict:
+        if not told.same_point(step):
             raise LaunchError(
-                f"rank {collective.rank} is {here}, but not every rank is: the ranks ran "
+                f"rank {rank} is {here}, but not every rank is: the ranks ran "
                 "different numbers of batches. Give every rank the same number of batches "
                 "(rt.setup_loader does), or wrap the loop in `with rt.join(model):`"
             )
         self.count += 1
-        self.stop = preemption.settle(told[7], told[8])
-        return Verdict(told[4] > 0, told[5] > 0, int(told[6]), self.stop, told[9])
+        self.stop = preemption.settle(told.signum, told.minus_at)
+        return Verdict(told.bad, told.failed, told.samples, self.stop, told.value)

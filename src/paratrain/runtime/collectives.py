@@ -53,6 +53,7 @@ class RuntimeCollectives:
         """Before a collective of the user's: check that every rank is at one too (the
         step's agreement with a step of -1: a rank still training meets it in its step)."""
         state = self.rt.state
+        state.agreement.settle(collective)  # the last step's checks first (a NaN raises)
         if collective.world_size > 1 and not state.local_only:
             here = f"in rt.{what} after {state.step} training steps"
             state.agreement.exchange(collective, BEFORE_COLLECTIVE, here)

@@ -298,6 +298,7 @@ class Runtime:
         every process's random generator states. Call it on every process; the main one
         writes, atomically, and all return once the file is complete."""
         self._connect()
+        self._groups.step.settle()  # the last step's checks are read before anything is written
         self._groups.checkpoints.save(path, state)
 
     def load(
@@ -313,7 +314,17 @@ class Runtime:
         """Write ``model``'s full weights with plain names to ``path`` (safetensors). Call it
         on every process: sharded (fsdp) weights are gathered, the main process writes."""
         self._connect()
+        self._groups.step.settle()
         self._groups.checkpoints.save_weights(model, path)
+
+    def settle(self) -> None:
+        """Read the checks of the steps so far now (a non-finite loss raises here). A step's
+        checks travel in a small all-reduce that is read later, so the host never waits for
+        the device inside a step; ``rt.save``, ``rt.save_weights``, ``rt.should_stop`` and the
+        runtime's collectives read them first. Call it on every process before writing
+        anything of your own that must not come from a step with a NaN loss."""
+        self._connect()
+        self._groups.step.settle()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only. After an evaluation loop under several

@@ -82,14 +82,17 @@ class NonFiniteCheck:
         step: int,
         ends_step: bool,
         local_only: bool = False,
+        deferred: bool = False,
     ) -> Look:
         """This process's part: changes nothing until :meth:`settle` (a piece that ran out
         of memory somewhere is redone and looked at again). ``local_only``: inside
-        ``rt.join``, where a rank that ran out of data takes no part in an agreement."""
+        ``rt.join``, where a rank that ran out of data takes no part in an agreement;
+        ``deferred``: the verdict is read later, so the loss is not read here either."""
         if self.policy == "off":
             return Look(step, ends_step)
         if (
-            collective.world_size == 1
+            not deferred
+            and collective.world_size == 1
             and self._pending is None
             and loss.is_cpu  # reading it costs no device sync (no torch.device made)
             and math.isfinite(loss.item())
@@ -109,7 +112,16 @@ class NonFiniteCheck:
     def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
         """After the processes agreed that ``bad`` (some process saw a non-finite loss):
         whether the backward runs; raises under the ``error`` policy."""
+        self.sent(look)
+        return self.judge(look, collective, bad)
+
+    def sent(self, look: Look) -> None:
+        """``look`` went into the step's agreement (the next micro-batch starts afresh)."""
         self._pending = look.keep
+
+    def judge(self, look: Look, collective: Collective, bad: bool) -> bool:
+        """The policy's answer once the processes agreed that ``bad``: True when the
+        micro-batch's gradients count; raises under the ``error`` policy."""
         if look.bad is None or not bad:
             return True
         flags = collective.all_gather(look.bad.reshape(1).to(torch.uint8))

@@ -127,10 +127,14 @@ class TrainingStep:
         step = state.step + 1
         loss = self._fault(loss, step)
         with heartbeat.waiting():  # the step's collectives: waits on the other ranks
-            look = self._look(loss, step)
-            # nothing to agree on (one process, a finite loss; the check off): no collective
-            verdict = Verdict() if look.bad is None else self._agree(step, look.bad)
-            if self._settle(look, verdict):
+            if self._quiet:
+                admitted = self._send(loss, step)
+            else:
+                look = self._look(loss, step)
+                # nothing to agree on (one process, a finite loss; the check off): none
+                verdict = Verdict() if look.bad is None else self._agree(step, look.bad)
+                admitted = self._settle(look, verdict)
+            if admitted:
                 try:
                     self._backward(loss * state.loss_scale if state.loss_scale != 1.0 else loss)
                 except torch.OutOfMemoryError as exc:
@@ -145,6 +149,39 @@ class TrainingStep:
         self._done()
 
     # -- stages 3 to 6 -----------------------------------------------------------------------
+    @property
+    def _quiet(self) -> bool:
+        """Nothing must be decided before the backward: the agreement is read later (a
+        non-finite loss stops the run at the next point that reads it, one step late at
+        most, and before any checkpoint or the final weights are written)."""
+        rt = self.rt
+        return (
+            rt.nonfinite.policy == "error"
+            and not rt.micro_batches.active
+            and not rt.state.local_only
+        )
+
+    def _send(self, loss: torch.Tensor, step: int) -> bool:
+        """Stages 3 and 4 on the quiet path: the agreement is sent, not waited for."""
+        rt = self.rt
+        collective, nonfinite = rt.strategy.collective, rt.nonfinite
+        rt.state.agreement.settle(collective)  # the previous micro-batch's, ended long ago
+        look = nonfinite.look(loss, collective, step, rt.state.ends_group, deferred=True)
+        nonfinite.sent(look)
+        rt.state.skipped = False
+        if look.bad is not None:
+
+            def judge(verdict: Verdict) -> None:
+                nonfinite.judge(look, collective, verdict.bad)
+
+            rt.state.agreement.send(collective, step, f"at training step {step}", look.bad, judge)
+        return True
+
+    def settle(self) -> None:
+        """Read the step's agreements sent and not read yet (a non-finite loss raises
+        here): before a checkpoint, the final weights, or a collective."""
+        self.rt.state.agreement.settle(self.rt.strategy.collective)
+
     def _look(self, loss: torch.Tensor, step: int, ends_step: bool | None = None) -> Look:
         rt = self.rt
         ends = rt.state.ends_group if ends_step is None else ends_step

@@ -24,7 +24,7 @@ class StopOnSignal:
     def __init__(self, rt: RuntimeView) -> None:
         self.rt = rt
         self._stop: preemption.Request | None = None
-        self._seen = 0  # the step agreements counted at the last call
+        self._seen = 0  # the agreements begun at the last call
 
     def agree(self) -> bool:
         collective = self.rt.strategy.collective
@@ -33,11 +33,12 @@ class StopOnSignal:
             return self._stop is not None
         preemption.watch()  # the first call installs the handlers
         agreement = self.rt.state.agreement
-        if agreement.count == self._seen:  # none since the last call: one of its own
+        if agreement.begun == self._seen:  # no step's agreement since the last call: its own
             here = f"in rt.should_stop after {self.rt.state.step} training steps"
             agreement.exchange(collective, BEFORE_STOP, here)
-        # else the step's agreement carried the stop (paratrain.runtime.agreement)
-        self._seen = agreement.count
+        # else a step's agreement carries the stop (paratrain.runtime.agreement); the newest
+        # is read at the next step, so that the host never waits for the device here
+        self._seen = agreement.begun
         self._stop = agreement.stop
         return self._stop is not None
 
