@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.runtime.nonfinite import NonFiniteCheck
+from paratrain.runtime.step_state import StepState
 from paratrain.runtime.uneven import join_uneven
 
 
@@ -20,7 +20,7 @@ def _ddp_of_one() -> DistributedDataParallel:
 
 
 def test_join_makes_the_finite_check_local_and_restores_it() -> None:
-    model, check = _ddp_of_one(), NonFiniteCheck("error")
+    model, check = _ddp_of_one(), StepState()
     with join_uneven(model, check):
         assert check.local_only is True
         model(torch.ones(3, 2)).sum().backward()  # DDP's all-reduce runs under Join
@@ -32,6 +32,6 @@ def test_join_makes_the_finite_check_local_and_restores_it() -> None:
 
 
 def test_a_model_without_ddp_is_left_alone() -> None:
-    check = NonFiniteCheck("error")
+    check = StepState()
     with join_uneven(nn.Linear(2, 1), check):  # Join would refuse a module without DDP
         assert check.local_only is False
