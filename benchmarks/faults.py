@@ -5,7 +5,8 @@
 
 Trains a reference run of the digits recipe once. Then, N times: starts the same run, waits
 until a checkpoint is being written (its hidden ``.step-N.tmp`` folder exists; saves are held
-open for a moment by ``PARATRAIN_TEST_STALL_SAVE``), at a different save each time, and
+open for a moment by ``PARATRAIN_TEST_STALL_SAVE``, read by the test suite's fault injection
+plug-in in ``tests/plugins``), at a different save each time, and
 kills the launcher with SIGKILL. It counts the ranks still alive a few seconds later
 (orphans), resumes with ``--resume`` (which takes over the dead launcher's lock) and compares
 the final weights and ``metrics.jsonl`` with the reference, byte for byte. While the first run
@@ -37,6 +38,9 @@ from paratrain.devices.machine import cpu_name
 def _env(stall: float | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the suite's plug-in, which injects the stall (docs/development.md, "Fault injection")
+    plugins = Path(__file__).resolve().parent.parent / "tests" / "plugins"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugins), env.get("PYTHONPATH")]))
     if stall is not None:
         env["PARATRAIN_TEST_STALL_SAVE"] = str(stall)
     return env

@@ -28,10 +28,21 @@ from torch import nn
 import paratrain
 from paratrain.cli.main import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
-from paratrain.launching.wait_policy import BUSY_VARIABLE
 from paratrain.models import DigitsCNN
 
 REPO = Path(__file__).resolve().parent.parent
+#: the suite's fault injection plug-in (tests/plugins/paratrain_test_faults.py): on the path
+#: of this process and of every process it starts, each of which loads it through its entry
+#: point when it first reaches a fault injection point
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+if str(PLUGINS) not in sys.path:
+    sys.path.insert(0, str(PLUGINS))
+if str(PLUGINS) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(PLUGINS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+
+from paratrain_test_faults import BUSY_VARIABLE  # noqa: E402 (on the path just above)
 
 
 def missing_device(markers: set[str]) -> str | None:

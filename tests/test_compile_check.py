@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paratrain_test_faults import COMPILE_FAULT_VARIABLE
 from torch import nn
 
 import paratrain
-from paratrain.runtime.compile_check import FAULT_VARIABLE
 from paratrain.utils.errors import UserError
 
 
@@ -49,7 +49,7 @@ def test_agreeing_gradients_keep_the_compiled_model_and_a_fault_falls_back(
     assert check is not None and check.state == "agreed" and check.worst[1] < 1e-3
     assert "gradients agree with eager" in capsys.readouterr().err
 
-    monkeypatch.setenv(FAULT_VARIABLE, "zero-grads")  # the compiled first weight gets no grad
+    monkeypatch.setenv(COMPILE_FAULT_VARIABLE, "zero-grads")  # compiled first weight: no grad
     rt = paratrain.Runtime(strategy="cpu", compile=True)
     net = _mlp()
     expected = _eager_grads(_mlp(), x)

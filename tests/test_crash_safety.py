@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import subprocess_env
+from paratrain_test_faults import STALL_VARIABLE
 from safetensors.torch import load_file
 
 from paratrain.checkpoints.files import load_weights
-from paratrain.checkpoints.state import STALL_VARIABLE, list_checkpoints, read_state
+from paratrain.checkpoints.state import list_checkpoints, read_state
 from paratrain.models import DigitsCNN
 
 # 23 batches (steps) per epoch, a checkpoint every 4 steps

@@ -2,8 +2,8 @@
 model as a run that used the smaller micro-batch from the start.
 
 In-process tests run on ``--strategy cpu``; the launched ones on ``cpu,cpu`` (ddp, fsdp).
-``PARATRAIN_TEST_OOM=RANK:ABOVE[:STEP]`` raises ``torch.OutOfMemoryError`` where a GPU
-would run out.
+``PARATRAIN_TEST_OOM=RANK:ABOVE[:STEP]`` (the suite's fault injection plug-in,
+tests/plugins) raises ``torch.OutOfMemoryError`` where a GPU would run out.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from paratrain_test_faults import OOM_VARIABLE
 from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
-from paratrain.runtime.oom import TEST_VARIABLE, MicroBatches, OutOfMemoryStop
+from paratrain.runtime.oom import MicroBatches, OutOfMemoryStop
 from paratrain.runtime.seeding import seed_everything
 from paratrain.training.config import TrainConfig
 from paratrain.training.loop import train
@@ -57,10 +58,10 @@ def test_dropped_forwards_leave_no_trace(
     its pieces fit, and gradients, BatchNorm statistics and the random stream equal a run
     that cut it into ``split`` pieces from the start, bit for bit."""
     x, y = _data(32)
-    monkeypatch.setenv(TEST_VARIABLE, f"0:{limit}")
+    monkeypatch.setenv(OOM_VARIABLE, f"0:{limit}")
     failed, (rt, after_failed) = _grads(1, x, y)
     assert rt.micro_batches.split == split and rt.micro_batches.piece_samples == limit
-    monkeypatch.delenv(TEST_VARIABLE)
+    monkeypatch.delenv(OOM_VARIABLE)
     clean, (_, after_clean) = _grads(split, x, y)
     assert torch.equal(after_failed, after_clean)
     assert all(torch.equal(a, b) for a, b in zip(failed, clean, strict=True))
@@ -137,7 +138,7 @@ def _oom_then_reference(rt: paratrain.Runtime, out: str, hook: str) -> dict[str,
     cfg = dataclasses.replace(cfg.resolved(get_recipe), max_steps=5, progress=False)
     runs = {}
     for name, split in (("oom", 1), ("ref", 2)):
-        os.environ[TEST_VARIABLE] = hook if name == "oom" else ""
+        os.environ[OOM_VARIABLE] = hook if name == "oom" else ""
         rt.micro_batches = MicroBatches("auto")
         rt.micro_batches.split = split
         seed_everything(cfg.seed)
@@ -200,13 +201,13 @@ def test_train_runs_out_and_resumes_in_pieces(
     of batches of 32 with --accumulate 2 bit for bit (the same pieces, summed in the same
     order); the summary says it, the checkpoint remembers it, a resumed run goes on in
     pieces."""
-    monkeypatch.setenv(TEST_VARIABLE, "0:32")
+    monkeypatch.setenv(OOM_VARIABLE, "0:32")
     summary = _digits("oom", tmp_path, 64)
     assert capfd.readouterr().err.count("out of memory on rank(s) 0 at step 1") == 1
     assert "ran out of memory at step 1: micro-batches run in 2 pieces of about 32" in (
         summary.line(None)
     )
-    monkeypatch.delenv(TEST_VARIABLE)
+    monkeypatch.delenv(OOM_VARIABLE)
     _digits("ref", tmp_path, 32, accumulate=2)
     assert _max_difference(tmp_path, "oom", "ref") == 0.0
     checkpoint = tmp_path / "oom/checkpoints/step-000005"

@@ -10,6 +10,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import paratrain_test_faults as faults
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.cli.main import main
-from paratrain.launching import faults, preemption
+from paratrain.launching import preemption
 from paratrain.training import run_lock
 from paratrain.training.autoresume import differences, set_aside
 from paratrain.training.config import TrainConfig
@@ -28,10 +29,10 @@ from paratrain.training.config import TrainConfig
 def fresh_handlers() -> Iterator[None]:
     """Python's signal handlers and no stop request, before and after each test."""
     preemption.reset()
-    faults._parsed = False
+    faults.reset()
     yield
     preemption.reset()
-    faults._parsed = False
+    faults.reset()
 
 
 def _same_weights(a: Path, b: Path) -> bool:
@@ -82,7 +83,7 @@ def test_a_signal_at_a_random_step_then_the_same_command_ends_bit_identical(
     for where, (kind, at) in {"run": ("sigterm", step), "edge": ("sigusr1", 23)}.items():
         out = str(tmp_path / where)
         monkeypatch.setenv(faults.FAULT_VARIABLE, f"{kind}:0:{at}")
-        faults._parsed = False
+        faults.reset()
         capsys.readouterr()
         code = main([*COMMON, "--out", out])
         err = capsys.readouterr().err

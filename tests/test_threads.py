@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from paratrain_test_faults import BUSY_VARIABLE
 
 import paratrain
 from paratrain.cli.main import main
@@ -75,14 +76,14 @@ def test_the_load_is_looked_at_unless_the_count_is_pinned(
     for name in ("OMP_NUM_THREADS", threads.CHOSEN_VARIABLE):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
-    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "2")
+    monkeypatch.setenv(BUSY_VARIABLE, "2")
     assert choose_for(1).threads == 2
     assert choose_for(1, follow_load=False).threads == 4  # --deterministic
     note = threads.load_note(choose_for(1), 1)
     assert note is not None and "2 intra-op thread(s) per process instead of 4" in note
-    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "0")
+    monkeypatch.setenv(BUSY_VARIABLE, "0")
     assert choose_for(1).threads == 4 and threads.load_note(choose_for(1), 1) is None
-    monkeypatch.delenv(wait_policy.BUSY_VARIABLE)
+    monkeypatch.delenv(BUSY_VARIABLE)
     monkeypatch.setattr(wait_policy, "busy_cores", lambda *_, **__: 3.0)  # the real look
     assert choose_for(2).threads == 1
 
@@ -188,7 +189,7 @@ def test_a_busy_machine_gets_fewer_threads_recorded_and_kept_on_resume(
     assert (quiet["threads"], quiet["source"]) == (2, "chosen")
     assert "instead of" not in capsys.readouterr().err
 
-    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "1")
+    monkeypatch.setenv(BUSY_VARIABLE, "1")
     busy = _train(tmp_path / "busy", 6)
     assert busy["threads"] == 1 and "1 busy with other work" in busy["reason"]
     note = capsys.readouterr().err
@@ -200,7 +201,7 @@ def test_a_busy_machine_gets_fewer_threads_recorded_and_kept_on_resume(
     ).read_bytes()
 
     _train(tmp_path / "resumed", 3)  # still busy: one thread, recorded
-    monkeypatch.setenv(wait_policy.BUSY_VARIABLE, "0")  # quiet again for the resume
+    monkeypatch.setenv(BUSY_VARIABLE, "0")  # quiet again for the resume
     waited = iter(range(0, 10_000, 10))  # ... until other work takes the cores mid-run
     monkeypatch.setattr(threads, "run_delay_seconds", lambda: float(next(waited)))
     monkeypatch.setattr(threads.ContentionGuard, "INTERVAL", 0.0)
@@ -241,7 +242,7 @@ def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(
     env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
     seen = {}
     for argv0, busy in (("-m", "1"), ("-m", "0"), ("train.py", "1")):
-        env[wait_policy.BUSY_VARIABLE] = busy
+        env[BUSY_VARIABLE] = busy
         done = subprocess.run(
             [sys.executable, "-c", code.format(argv0=argv0)],
             env=env,

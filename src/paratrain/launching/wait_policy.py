@@ -20,9 +20,9 @@ import os
 import sys
 import time
 
+from paratrain.utils import injection
+
 PASSIVE = "PASSIVE"
-#: test hook: the number of busy cores the command sees when it starts
-BUSY_VARIABLE = "PARATRAIN_TEST_BUSY_CORES"
 
 
 def is_the_command() -> bool:
@@ -60,10 +60,10 @@ def policy_for(busy: float) -> str | None:
 
 
 def busy_now() -> float:
-    """Cores other work keeps busy now (``PARATRAIN_TEST_BUSY_CORES`` stands in for the
-    machine in tests)."""
-    given = os.environ.get(BUSY_VARIABLE)
-    return float(given) if given else busy_cores(samples=3, interval=0.005)
+    """Cores other work keeps busy now (a fault injection point stands in for the machine
+    in tests: :mod:`paratrain.utils.injection`)."""
+    given = injection.busy_cores()
+    return given if given is not None else busy_cores(samples=3, interval=0.005)
 
 
 #: what the command saw when it started (None: not the command, or not looked yet)

@@ -21,13 +21,12 @@ cost next to the compile time.
 Not checked: a forward that draws random numbers (dropout): the compiled and eager models
 draw different masks, so their gradients differ by design; the line says so. Nor ``fsdp``,
 whose sharded parameters' hooks would run in the eager pass too.
-``PARATRAIN_TEST_COMPILE_FAULT=zero-grads`` zeroes the compiled gradients of the first
-parameter before the comparison, as the inductor bug does (a test hook).
+A test makes the compiled gradients wrong, as the inductor bug does, through the
+``compiled_grads`` fault injection point (:mod:`paratrain.utils.injection`).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -38,11 +37,11 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from paratrain.distributed.collective import Collective
+from paratrain.utils import injection
 from paratrain.utils.errors import UserError
 
 #: the largest relative gradient difference taken as agreement, per precision
 TOLERANCES = {"32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
-FAULT_VARIABLE = "PARATRAIN_TEST_COMPILE_FAULT"
 #: steps whose gradients are not finite (fp16's first scaled steps) are not compared; after
 #: this many, the check gives up
 _ATTEMPTS = 5
@@ -120,9 +119,7 @@ class CompileCheck:
         compiled = [
             _delta(p.grad, before, p) for (_, p), before in zip(params, self._before, strict=True)
         ]
-        if os.environ.get(FAULT_VARIABLE) == "zero-grads" and params:
-            params[0][1].grad = self._before[0]  # the compiled backward "forgot" it
-            compiled[0] = torch.zeros_like(compiled[0])
+        compiled = self._injected(params, compiled)
         eager = self._eager_grads(params)
         finite = torch.tensor([float(all(bool(torch.isfinite(g).all()) for g in compiled + eager))])
         if self.collective.all_reduce(finite, "min").item() < 1:
@@ -147,6 +144,20 @@ class CompileCheck:
         for (_, p), before, grad in zip(params, self._before, eager, strict=True):
             p.grad = grad if before is None else before + grad
         self._finish("fell back", line)
+
+    def _injected(
+        self, params: list[tuple[str, nn.Parameter]], compiled: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The compiled gradients as a fault injected here left them (as they were, without
+        one), written back into the parameters' gradients."""
+        injected = injection.compiled_grads(compiled)
+        if injected is compiled:
+            return compiled
+        pairs = zip(params, self._before, compiled, injected, strict=True)
+        for (_, p), before, grad, changed in pairs:
+            if changed is not grad:
+                p.grad = changed if before is None else before + changed
+        return injected
 
     def _eager_grads(self, params: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         args, kwargs = self._inputs

@@ -26,15 +26,13 @@ What cannot be redone safely, said in one message instead of a hang:
 * ``pipeline``, whose schedule already cuts batches into micro-batches
   (``--pipeline-microbatches``).
 
-Test hook: ``PARATRAIN_TEST_OOM=RANK:ABOVE[:STEP]`` (``RANK`` may be ``*``) makes process
-``RANK`` raise ``torch.OutOfMemoryError`` at the end of the forward of every piece of more
-than ``ABOVE`` samples (from optimizer step ``STEP`` on, 1-based), as a GPU whose memory
-holds ``ABOVE`` samples' activations would. Only ``--oom auto`` reads it.
+Without a GPU to run out of, a test registers a handler for the ``oom`` fault injection
+point (:mod:`paratrain.utils.injection`), reached at the end of each piece's forward under
+``--oom auto``: raising ``torch.OutOfMemoryError`` there is running out.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +40,10 @@ import torch
 from torch import nn
 
 from paratrain.distributed.collective import Collective
+from paratrain.utils import injection
 from paratrain.utils.errors import UserError
 
 OOM_MODES = ("auto", "off")
-TEST_VARIABLE = "PARATRAIN_TEST_OOM"
 
 
 class OutOfMemoryStop(RuntimeError):
@@ -58,18 +56,9 @@ def check_oom_mode(mode: str) -> str:
     return mode
 
 
-def test_hook(rank: int, pieces_samples: int, step: int) -> None:
-    """``PARATRAIN_TEST_OOM``: raise as a device that holds no more samples would."""
-    raw = os.environ.get(TEST_VARIABLE)
-    if not raw:
-        return
-    who, above, *since = raw.split(":")
-    if since and step < int(since[0]):
-        return
-    if (who == "*" or int(who) == rank) and pieces_samples > int(above):
-        raise torch.OutOfMemoryError(
-            f"{TEST_VARIABLE}: rank {rank} holds at most {above} samples, got {pieces_samples}"
-        )
+#: ``test_hook(rank, samples, step)``: the ``oom`` fault injection point, under the name the
+#: OOM step calls it by
+test_hook = injection.oom
 
 
 def batch_length(batch: Any) -> int:

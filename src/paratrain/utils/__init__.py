@@ -1,1 +1,1 @@
-"""Small shared utilities: atomic writes, errors, FLOPs, peak memory."""
+"""Small shared utilities: atomic writes, errors, FLOPs, peak memory, fault injection points."""

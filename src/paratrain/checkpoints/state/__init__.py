@@ -24,7 +24,6 @@ from paratrain.checkpoints.state.snapshot import (
 )
 from paratrain.checkpoints.state.store import (
     CHECKPOINTS,
-    STALL_VARIABLE,
     latest_checkpoint,
     list_checkpoints,
     remove_checkpoints,
@@ -33,7 +32,6 @@ from paratrain.checkpoints.state.user import load_state, save_state
 
 __all__ = [
     "CHECKPOINTS",
-    "STALL_VARIABLE",
     "Checkpointer",
     "Position",
     "ProcessLayout",

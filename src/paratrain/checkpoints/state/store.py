@@ -18,11 +18,11 @@ import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from paratrain.checkpoints.state import manifest
+from paratrain.utils import injection
 from paratrain.utils.atomic import (
     FULL,
     DiskFull,
@@ -39,9 +39,6 @@ from paratrain.utils.errors import UserError
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 WEIGHTS = "model.safetensors"
-#: test hook: seconds to sleep after a checkpoint is written under its temporary name and
-#: before it is renamed into place, so a test can kill the process at that moment
-STALL_VARIABLE = "PARATRAIN_TEST_STALL_SAVE"
 
 _COMPLETE = re.compile(r"step-(\d+)")
 _LEFTOVER = re.compile(r"\.step-\d+\.(tmp|old)")
@@ -104,7 +101,7 @@ def write_checkpoint(
         written = _bytes_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(_os_error(exc, final, size, written)) from None
-    _stall_for_tests()
+    injection.checkpoint_written(tmp)  # where a test may hold the save, to kill it there
     if final.exists() or final.is_symlink():  # the same step saved again (a resumed run)
         old = root / f".{final.name}.old"
         os.rename(final, old)
@@ -212,9 +209,3 @@ def remove_checkpoints(run_dir: Path) -> None:
 def _remove(path: Path, hidden: Path) -> None:
     os.rename(path, hidden)
     shutil.rmtree(hidden)
-
-
-def _stall_for_tests() -> None:
-    seconds = os.environ.get(STALL_VARIABLE)
-    if seconds:
-        time.sleep(float(seconds))
