@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-DIRECTORY_VARIABLE = "PARATRAIN_HEARTBEAT_DIR"
+from paratrain.utils import environment
+
+DIRECTORY_VARIABLE = environment.HEARTBEAT_DIR_VARIABLE
 _LAYOUT = struct.Struct("<qqdq")  # pid, beats, time of the last beat, waiting (0/1)
 _CHECK = struct.Struct("<Q")  # CRC-32 of the fields above
 _SIZE = _LAYOUT.size + _CHECK.size
@@ -119,12 +121,10 @@ def arm(rank: int | None = None) -> bool:
     _checked = True
     if _heart is not None and _heart.pid == os.getpid():
         return True
-    directory = os.environ.get(DIRECTORY_VARIABLE)
-    if not directory:
+    env = environment.current()
+    if env.heartbeat_dir is None:
         return False
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    _heart = _Heart(Path(directory), rank)
+    _heart = _Heart(env.heartbeat_dir, env.rank if rank is None else rank)
     return True
 
 

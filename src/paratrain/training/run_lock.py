@@ -10,8 +10,9 @@ writes the directory::
 A lock whose owner is gone (the same host, no such process) is stale: it is taken over,
 with a note. A lock file appears whole (written aside, then linked into place), and a
 takeover happens under an advisory lock on the directory, where the taker looks again: two
-processes taking over the same stale lock at once end with one owner. A lock held by another host cannot be checked from here and is refused with
-the owner named; its file may be removed by hand once that run is known to be gone.
+processes taking over the same stale lock at once end with one owner. A lock held by another
+host cannot be checked from here and is refused with the owner named; its file may be removed
+by hand once that run is known to be gone.
 """
 
 from __future__ import annotations
