@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from paratrain.cli.commands import COMMAND_MODULES
-from paratrain.launching.preemption import Stopped
+from paratrain.launching.preemption import Stopped, stop_before_start
 from paratrain.utils import environment
 from paratrain.utils.atomic import FULL
 from paratrain.utils.errors import LaunchError, UserError
@@ -110,4 +110,7 @@ def _error(exc: Exception) -> None:
 
 def entry() -> None:
     """The ``paratrain`` command (and ``python -m paratrain``)."""
+    if sys.argv[1:2] in (["train"], ["run"]):  # the commands that train: a stop is theirs
+        # Under plain torchrun every process gets the signal: rank 0 says it.
+        stop_before_start(lambda: environment.current().is_rank_zero)
     sys.exit(main())
