@@ -126,7 +126,9 @@ class SpawnLauncher(Launcher):
         """What rank ``rank`` finds in its environment: what torchrun would give it, and
         this launcher's folder."""
         return {
-            **self.child_environment(),
+            # the launcher's pid is handed to _worker itself: its own children look for
+            # their own parents
+            **self.child_environment(parent=False),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(self.nprocs),

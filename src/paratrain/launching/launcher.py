@@ -54,12 +54,12 @@ class Launcher(ABC):
             self.watchdog = Watchdog(Path(tmp), timeout) if timeout is not None else None
             yield Path(tmp)
 
-    def child_environment(self) -> dict[str, str]:
-        """What this launcher's processes get in their environment (besides their rank)."""
-        variables = {
-            REPORT_DIR_VARIABLE: str(self.reports.directory),
-            PARENT_VARIABLE: str(os.getpid()),
-        }
+    def child_environment(self, parent: bool = True) -> dict[str, str]:
+        """What this launcher's processes get in their environment (besides their rank);
+        ``parent``: its pid too, for processes that look for their launcher themselves."""
+        variables = {REPORT_DIR_VARIABLE: str(self.reports.directory)}
+        if parent:
+            variables[PARENT_VARIABLE] = str(os.getpid())
         if self.watchdog is not None:
             variables[HEARTBEAT_DIR_VARIABLE] = str(self.reports.directory)
         return variables
