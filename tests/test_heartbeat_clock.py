@@ -16,7 +16,7 @@ from paratrain.launching.watchdog import Watchdog
 def _write_beat(directory: Path, seconds_ago: float) -> None:
     """Rank 0's heartbeat file, as a rank that last beat ``seconds_ago`` writes it."""
     when = time.monotonic() - seconds_ago
-    heartbeat.beat_file(directory, 0).write_bytes(heartbeat._LAYOUT.pack(os.getpid(), 5, when, 0))
+    heartbeat.beat_file(directory, 0).write_bytes(heartbeat.encode(os.getpid(), 5, when, 0))
     heartbeat.stack_file(directory, 0).write_text("Thread 0x1 (most recent call first):\n")
 
 

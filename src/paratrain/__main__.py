@@ -1,3 +1,3 @@
-from paratrain.cli.main import main
+from paratrain.cli.main import entry
 
-raise SystemExit(main())
+entry()

@@ -6,90 +6,66 @@
 
 It starts the heartbeat (and the faulthandler the hang watchdog uses) before anything else,
 and catches paratrain's one-line errors: they go to the launcher once, instead of a
-traceback from every rank. Under plain torchrun (no paratrain launcher) rank 0 alone prints
-them. A ``UserError`` exits with code 2, any other paratrain error with 1.
+traceback from every rank. Under plain torchrun (no paratrain launcher) the first process
+to fail prints them (see :mod:`paratrain.distributed.once`). A ``UserError`` exits with
+code 2, any other paratrain error with 1.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import runpy
 import sys
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from paratrain.cli.commands.train import train_in_process
+from paratrain.distributed.once import tell_once
 from paratrain.launching import heartbeat
-from paratrain.launching.agent import REPORT_VARIABLE
+from paratrain.launching.launcher import report_failure, report_started, report_stop, reporting
 from paratrain.launching.parent_death import die_with_parent
 from paratrain.launching.preemption import Stopped
 from paratrain.runtime.facade import Runtime
 from paratrain.training.elastic import worker_config
 from paratrain.utils.errors import LaunchError, UserError
+from paratrain.utils.reports import exit_code, kind_of
 
 
 def report(exc: UserError | LaunchError) -> int:
-    """Hand a one-line error to the launcher (or print it on rank 0); the exit code."""
-    user = isinstance(exc, UserError)
-    # This process dies of the error: the runtime's exit handler then leaves the group
-    # without waiting for peers that may be gone (as for an uncaught exception).
-    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-    directory = os.environ.get(REPORT_VARIABLE)
-    rank = os.environ.get("RANK", "0")
-    if directory:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        path = Path(directory) / f"report-a{attempt}-rank{rank}.txt"
-        path.write_text(f"{'user' if user else 'launch'}\n{exc}", encoding="utf-8")
-    elif rank == "0":
-        print(f"paratrain: error: {exc}", file=sys.stderr)
-    return 2 if user else 1
-
-
-def _record(name: str, text: str) -> bool:
-    """Leave ``name`` (with this attempt and rank) for the launcher; False without one."""
-    directory = os.environ.get(REPORT_VARIABLE)
-    if not directory:
-        return False
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    rank = os.environ.get("RANK", "0")
-    path = Path(directory) / name.format(attempt=attempt, rank=rank)
-    path.write_text(text, encoding="utf-8")
-    return True
+    """Hand a one-line error to the launcher (or print it once); the exit code."""
+    code = report_failure(exc)
+    if code is not None:
+        return code
+    if tell_once("error"):
+        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
+    return exit_code(kind_of(exc))
 
 
 def guarded(main: Callable[[], object]) -> int:
-    if os.environ.get(REPORT_VARIABLE):  # started by paratrain's launcher: die with it
+    if reporting():  # started by paratrain's launcher: die with it
         die_with_parent()
     heartbeat.arm()
-    _record("started-a{attempt}-rank{rank}", str(os.getpid()))
+    report_started()
     try:
         main()
     except Stopped as exc:
         # Under paratrain's launcher: exit 0, so that the agent does not restart the
         # processes, and leave the stop for the launcher to exit with.
-        if not os.environ.get(REPORT_VARIABLE):
+        if not report_stop(exc):
             return int(exc.code or 1)
-        if os.environ.get("RANK", "0") == "0":
-            request = {"signum": exc.request.signum, "at": exc.request.at, "message": exc.message}
-            _record("stopped-a{attempt}.json", json.dumps(request))
         return 0
     except (UserError, LaunchError) as exc:
         return report(exc)
     except KeyboardInterrupt:
-        if not os.environ.get(REPORT_VARIABLE):
+        if not reporting():
             raise
         return 130  # Ctrl-C twice, or before the loop began: the launcher says it once
     except Exception as exc:
-        # Under paratrain's launcher the traceback goes to a file: when one process dies,
+        # Under paratrain's launcher the traceback goes to a report: when one process dies,
         # the others fail in their collectives, and a restart should not print them all.
-        trace = f"{time.time()!r}\n{traceback.format_exc()}"
-        if not _record("trace-a{attempt}-rank{rank}.txt", trace):
+        code = report_failure(exc)
+        if code is None:
             raise
-        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-        return 1
+        return code
     return 0
 
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from paratrain.cli.commands import COMMAND_MODULES
-from paratrain.launching.preemption import Stopped
+from paratrain.launching.preemption import Stopped, stop_before_start
+from paratrain.utils import environment
 from paratrain.utils.atomic import FULL
 from paratrain.utils.errors import LaunchError, UserError
 from paratrain.version import __version__
@@ -96,14 +97,20 @@ def _os_error(exc: OSError) -> str:
 
 
 def _error(exc: Exception) -> None:
-    """One line on stderr; under torchrun from rank 0 only, not once per process (every
+    """One line on stderr; under torchrun from one process only, not once per process (every
     process meets the same bad input)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"paratrain: error: {exc}", file=sys.stderr)
-    else:
+    from paratrain.distributed.once import tell_once
+
+    if tell_once("error"):
+        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
+    if not environment.current().is_rank_zero:
         # Dying of it: the runtime's exit handler leaves the group without waiting for peers.
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
 
 
 def entry() -> None:
+    """The ``paratrain`` command (and ``python -m paratrain``)."""
+    if sys.argv[1:2] in (["train"], ["run"]):  # the commands that train: a stop is theirs
+        # Under plain torchrun every process gets the signal: rank 0 says it.
+        stop_before_start(lambda: environment.current().is_rank_zero)
     sys.exit(main())

@@ -14,7 +14,6 @@ are decoded as before: the cache only saves time.
 from __future__ import annotations
 
 import hashlib
-import os
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from paratrain.utils import environment
 from paratrain.utils.atomic import atomic_write
 
 CACHE_VARIABLE = "PARATRAIN_CACHE_DIR"
@@ -38,11 +38,11 @@ _IMAGE_BYTES = 3 * 32 * 32
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_VARIABLE)
+    env = environment.current()
+    explicit = env.get(CACHE_VARIABLE)
     if explicit:
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "paratrain"
+    return env.cache_home() / "paratrain"
 
 
 def cache_path(batch_dir: Path, names: Sequence[str]) -> Path:

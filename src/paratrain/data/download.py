@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR
+from paratrain.utils import environment
 from paratrain.utils.atomic import current_umask
 from paratrain.utils.errors import UserError
 
@@ -34,14 +35,14 @@ _SCHEMES = ("http", "https", "file")
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/paratrain/cifar10``, or ``~/.cache/paratrain/cifar10``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "paratrain" / "cifar10"
+    return environment.current().cache_home().expanduser() / "paratrain" / "cifar10"
 
 
 def source() -> tuple[str, str]:
     """(URL, MD5) of the archive: the official ones unless the environment overrides them."""
-    url = os.environ.get(URL_ENV) or CIFAR_URL
-    md5 = (os.environ.get(MD5_ENV) or CIFAR_MD5).strip().lower()
+    env = environment.current()
+    url = env.get(URL_ENV) or CIFAR_URL
+    md5 = (env.get(MD5_ENV) or CIFAR_MD5).strip().lower()
     scheme = url.split(":", 1)[0].lower()
     if scheme not in _SCHEMES:
         raise UserError(f"{URL_ENV}={url} is not an http(s):// or file:// address")

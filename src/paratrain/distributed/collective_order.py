@@ -27,20 +27,19 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from types import TracebackType
 
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
+from paratrain.utils.reports import ReportFolder
 
 CHECK_VARIABLE = "PARATRAIN_COLLECTIVE_CHECK"
 #: seconds inside one collective before the positions are compared: the processes are
 #: stopped within a minute, and a peer merely slow to arrive has time to
 DEFAULT_CHECK_SECONDS = 50.0
-#: where ``rt.launch``'s processes leave a one-line error (see :mod:`paratrain.launching.launch`)
-LAUNCH_DIR_VARIABLE = "PARATRAIN_LAUNCH_DIR"
-#: where ``paratrain run``'s processes do (:mod:`paratrain.launching.agent`,
-#: :mod:`paratrain.cli.entry`)
-REPORT_DIR_VARIABLE = "PARATRAIN_REPORT_DIR"
+#: where the processes of paratrain's launchers leave a one-line error (``rt.launch``'s,
+#: ``paratrain run``'s: :mod:`paratrain.utils.reports`)
+REPORT_DIR_VARIABLE = environment.REPORT_DIR_VARIABLE
 POLL_SECONDS = 0.5
 #: the name of the collective that ends a run: leaving the process group together
 END_OF_RUN = "the end of the run (leaving the process group)"
@@ -49,7 +48,7 @@ _VERDICT = "verdict"
 
 def check_seconds() -> float | None:
     """``PARATRAIN_COLLECTIVE_CHECK`` in seconds (default 50); None when it is 0 (off)."""
-    raw = os.environ.get(CHECK_VARIABLE)
+    raw = environment.current().get(CHECK_VARIABLE)
     if not raw:
         return DEFAULT_CHECK_SECONDS
     try:
@@ -229,14 +228,9 @@ class OrderCheck:
     def _stop_process(self, message: str) -> None:
         """Hand ``message`` to the launcher and end this process (its main thread is
         blocked inside a collective: only ending the process frees it)."""
-        launch_dir = os.environ.get(LAUNCH_DIR_VARIABLE)
-        report_dir = os.environ.get(REPORT_DIR_VARIABLE)
-        if launch_dir:
-            Path(launch_dir, f"launcherror-{self.rank}").write_text(message, encoding="utf-8")
-        elif report_dir:
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            path = Path(report_dir, f"report-a{attempt}-rank{self.rank}.txt")
-            path.write_text(f"launch\n{message}", encoding="utf-8")
+        env = environment.current()
+        if env.report_dir is not None:
+            ReportFolder(env.report_dir).failed(env.attempt, self.rank, "launch", message)
         elif self.store.add("printed", 1) == 1:  # type: ignore[attr-defined]  # one process says it
             print(f"paratrain: error: {message}", file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
@@ -271,12 +265,12 @@ def stop() -> None:
 def _store() -> object | None:
     import torch.distributed as dist
 
-    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    env = environment.current()
+    address, port = env.master_addr, env.master_port
     if not address or not port:
         return None
     try:
-        store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=30))
+        store = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=30))
     except (RuntimeError, ValueError):
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"paratrain/order/attempt-{attempt}", store)
+    return dist.PrefixStore(f"paratrain/order/attempt-{env.attempt}", store)

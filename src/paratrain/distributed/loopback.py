@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+
+from paratrain.utils import environment
 
 LOOPBACK = "127.0.0.1"
 _INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -83,14 +84,15 @@ def interface_environment() -> dict[str, str]:
     name = loopback_interface()
     if name is None:
         return {}
-    return {v: name for v in _INTERFACE_VARIABLES if v not in os.environ}
+    env = environment.current()
+    return {v: name for v in _INTERFACE_VARIABLES if not env.has(v)}
 
 
 def pin_interfaces(master_addr: str | None) -> None:
     """Bind gloo's and NCCL's sockets to the loopback interface when the rendezvous is on
     loopback, unless the user chose an interface."""
     if is_loopback(master_addr):
-        os.environ.update(interface_environment())
+        environment.export(interface_environment())
 
 
 @contextlib.contextmanager

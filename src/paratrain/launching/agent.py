@@ -16,13 +16,9 @@ once per rank. This launcher (one per machine):
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
 import signal
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -31,15 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.distributed import loopback
-from paratrain.distributed.collective_order import REPORT_DIR_VARIABLE
-from paratrain.launching.heartbeat import DIRECTORY_VARIABLE
-from paratrain.launching.parent_death import PARENT_VARIABLE
-from paratrain.launching.preemption import Request, Stopped, stop_message
-from paratrain.launching.watchdog import Watchdog, WatchdogThread, hang_timeout
+from paratrain.launching.launcher import Launcher, stopped_early
+from paratrain.launching.preemption import Request, Stopped
+from paratrain.launching.watchdog import WatchdogThread
+from paratrain.utils import environment
 from paratrain.utils.errors import LaunchError, UserError
+from paratrain.utils.reports import ReportFolder
 
-#: where the processes leave a one-line error for this launcher (see :mod:`paratrain.cli.entry`)
-REPORT_VARIABLE = REPORT_DIR_VARIABLE
 LOOPBACK = loopback.LOOPBACK
 #: the signals torchrun's agent passes on to its processes
 SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -114,99 +108,86 @@ def run_agent(
     ``env`` is added to the environment the processes inherit; ``what`` names the work in
     errors (the script, or ``paratrain train``).
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torch_run
-
     nodes.check()
-    timeout = hang_timeout()
-    # A run id that every agent of a run shares: derived from the endpoint, or fresh when
-    # this agent is alone.
-    run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
-    args = get_args_parser().parse_args(_torchrun_args(nodes, nprocs, entry, run_id))
-    with tempfile.TemporaryDirectory(prefix="paratrain-agent-") as tmp, quiet_torch_logs():
-        # A script's own init_process_group binds gloo/nccl to loopback too.
-        os.environ.update(loopback.interface_environment() if _on_loopback(nodes) else {})
-        os.environ.update(env)
-        os.environ[REPORT_VARIABLE] = tmp
-        os.environ[PARENT_VARIABLE] = str(os.getpid())  # the agent starts them, in here
-        # The agent passes these on to its processes (a stop at the next step); SIGUSR1 is
-        # the signal `sbatch --signal=USR1@120` sends before the time limit.
-        os.environ.setdefault(SIGNALS_VARIABLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-        watchdog = None
-        if timeout is not None:
-            os.environ[DIRECTORY_VARIABLE] = tmp
-            watchdog = WatchdogThread(Watchdog(Path(tmp), timeout))
-        stores = loopback.agent_stores() if _on_loopback(nodes) else contextlib.nullcontext()
-        with watchdog or contextlib.nullcontext(), stores, _second_interrupt_kills(Path(tmp)):
-            try:
-                torch_run(args)
-            except ChildFailedError as exc:
-                raise _failure(exc, Path(tmp), watchdog, what, nodes.max_restarts) from None
-            except SignalException as exc:  # the agent stopped its processes on a signal
-                _kill_left(Path(tmp))  # a second Ctrl-C cut the agent's wait short
-                raise stopped_on_signal(Path(tmp), exc.sigval) from None
-            finally:
-                for name in (REPORT_VARIABLE, DIRECTORY_VARIABLE, PARENT_VARIABLE):
-                    os.environ.pop(name, None)
-            stopped = stop_report(Path(tmp))  # a process was signalled, the agent was not
-            if stopped is not None:
-                raise stopped
+    AgentLauncher(nodes, nprocs, what).start(entry, env)
 
 
-def _failure(
-    exc: Exception, tmp: Path, watchdog: WatchdogThread | None, what: str, restarts: int
-) -> Exception:
-    """One error for the agent's failure: a hang, a rank's one-line report, or the cause
-    torchrun found (rank, exit code or signal, traceback)."""
-    if watchdog is not None and watchdog.hang is not None:
-        return LaunchError(watchdog.hang.message())
-    # The last attempt's reports (an elastic run restarts), the first of them.
-    reports = sorted(tmp.glob("report-*.txt"), key=lambda p: (-_attempt(p), p.stat().st_mtime))
-    if reports:
-        kind, _, message = reports[0].read_text(encoding="utf-8").partition("\n")
-        return UserError(message) if kind == "user" else LaunchError(message)
-    format_msg = getattr(exc, "format_msg", None)
-    text = format_msg() if callable(format_msg) else str(exc)
-    after = f" after {restarts} restart(s)" if restarts else ""
-    first = getattr(exc, "get_first_failure", None)
-    rank = int(first()[0]) if callable(first) else None
-    trace = _trace_of(tmp, rank) if rank is not None else None
-    if trace:  # the processes' own tracebacks go to files (see paratrain.cli.entry)
-        text += f"\nrank {rank}'s traceback:\n{trace}"
-    return LaunchError(f"{what} failed{after}; the cause:\n{text.strip()}")
+class AgentLauncher(Launcher):
+    """torchrun's elastic agent starts this machine's processes (restarts, several machines)."""
 
+    def __init__(self, nodes: Nodes, nprocs: int, what: str) -> None:
+        self.nodes = nodes
+        self.nprocs = nprocs
+        self.what = what
 
-def _trace_of(tmp: Path, rank: int) -> str | None:
-    """The traceback ``rank`` left in its last attempt, if it raised."""
-    traces = sorted(tmp.glob(f"trace-a*-rank{rank}.txt"), key=_attempt)
-    if not traces:
-        return None
-    return traces[-1].read_text(encoding="utf-8").partition("\n")[2].rstrip()
+    def start(self, *args: Any) -> None:
+        entry, env = args
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import get_args_parser
+        from torch.distributed.run import run as torch_run
 
+        nodes = self.nodes
+        # A run id that every agent of a run shares: derived from the endpoint, or fresh
+        # when this agent is alone.
+        run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
+        torch_args = _torchrun_args(nodes, self.nprocs, entry, run_id)
+        parsed = get_args_parser().parse_args(torch_args)
+        with self.folder("paratrain-agent-") as tmp, quiet_torch_logs():
+            # torch's agent hands its own environment on to the processes it starts.
+            variables = {
+                # A script's own init_process_group binds gloo/nccl to loopback too.
+                **(loopback.interface_environment() if _on_loopback(nodes) else {}),
+                **env,
+                **self.child_environment(),
+            }
+            # The agent passes these on to its processes (a stop at the next step); SIGUSR1
+            # is the signal `sbatch --signal=USR1@120` sends before the time limit.
+            if not environment.current().has(SIGNALS_VARIABLE):
+                variables[SIGNALS_VARIABLE] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+            watchdog = WatchdogThread(self.watchdog) if self.watchdog is not None else None
+            stores = loopback.agent_stores() if _on_loopback(nodes) else contextlib.nullcontext()
+            with watchdog or contextlib.nullcontext(), stores, _second_interrupt_kills(tmp):
+                try:
+                    with environment.exported(variables):
+                        torch_run(parsed)
+                except ChildFailedError as exc:
+                    raise self._failure(exc, watchdog) from None
+                except SignalException as exc:  # the agent stopped its processes on a signal
+                    _kill_left(tmp)  # a second Ctrl-C cut the agent's wait short
+                    raise stopped_on_signal(tmp, exc.sigval) from None
+                stopped = self.stopped()  # a process was signalled, the agent was not
+                if stopped is not None:
+                    raise stopped
 
-def stop_report(tmp: Path) -> Stopped | None:
-    """The stop the processes of the last attempt reported (their line is printed)."""
-    reports = sorted(tmp.glob("stopped-a*.json"), key=_attempt)
-    if not reports:
-        return None
-    saved = json.loads(reports[-1].read_text(encoding="utf-8"))
-    request = Request(int(saved["signum"]), float(saved["at"]))
-    return Stopped(request, str(saved["message"]))
+    def _failure(self, exc: Exception, watchdog: WatchdogThread | None) -> Exception:
+        """One error for the agent's failure: a hang, a rank's one-line report, or the
+        cause torchrun found (rank, exit code or signal, traceback)."""
+        if watchdog is not None and watchdog.hang is not None:
+            return LaunchError(watchdog.hang.message())
+        said = self.reports.first_one_line()
+        if said is not None:
+            error = said.error()
+            assert error is not None
+            return error
+        format_msg = getattr(exc, "format_msg", None)
+        text = format_msg() if callable(format_msg) else str(exc)
+        restarts = self.nodes.max_restarts
+        after = f" after {restarts} restart(s)" if restarts else ""
+        first = getattr(exc, "get_first_failure", None)
+        rank = int(first()[0]) if callable(first) else None
+        trace = self.reports.trace(rank) if rank is not None else None
+        if trace:  # the processes' own tracebacks go to reports (see paratrain.cli.entry)
+            text += f"\nrank {rank}'s traceback:\n{trace}"
+        return LaunchError(f"{self.what} failed{after}; the cause:\n{text.strip()}")
 
 
 def stopped_on_signal(tmp: Path, signum: int) -> BaseException:
     """What a signal to the agent ends with: the processes' stop, or an interruption."""
-    stopped = stop_report(tmp)
-    if stopped is not None:
-        return stopped
-    request = Request(int(signum), time.time())
-    if request.name == "SIGINT":
-        return KeyboardInterrupt()
-    message = stop_message(request, None, None, 0.0)
-    print(message, file=sys.stderr, flush=True)
-    return Stopped(request, message)
+    saved = ReportFolder(tmp).stop()
+    if saved is not None:
+        return Stopped(Request(int(saved["signum"]), float(saved["at"])), str(saved["message"]))
+    return stopped_early(Request(int(signum), time.time()))
 
 
 @contextlib.contextmanager
@@ -236,9 +217,8 @@ def _second_interrupt_kills(tmp: Path) -> Iterator[None]:
 
 def _kill_left(tmp: Path) -> None:
     """SIGKILL the processes of this machine still running (each leads its own session)."""
-    for path in tmp.glob("started-a*-rank*"):
+    for pid in ReportFolder(tmp).started_pids().values():
         with contextlib.suppress(OSError, ValueError):
-            pid = int(path.read_text(encoding="utf-8"))
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if b"paratrain.cli.entry" in cmdline:  # not a reused pid
                 os.killpg(pid, signal.SIGKILL)
@@ -248,24 +228,15 @@ def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:
     """Which rank made attempt ``attempt`` fail, as the processes of this machine left
     it in the report folder: one that died without a word (killed), else the first that
     raised."""
-    started = {_rank_of(p) for p in tmp.glob(f"started-a{attempt}-rank*")}
-    raised = {_rank_of(p): p for p in tmp.glob(f"trace-a{attempt}-rank*.txt")}
-    silent = sorted(started - set(raised))
+    reports = ReportFolder(tmp)
+    raised = [f for f in reports.failures(attempt) if f.kind == "crash"]
+    silent = sorted(set(reports.started_pids(attempt)) - {f.rank for f in raised})
     if silent:
         return f"rank {silent[0]} died (killed, or exited without an error)"
     if raised:
-
-        def when(rank: int) -> float:
-            return float(raised[rank].read_text(encoding="utf-8").partition("\n")[0] or 0)
-
-        rank = min(raised, key=when)
-        lines = raised[rank].read_text(encoding="utf-8").rstrip().splitlines()
-        return f"rank {rank} failed ({lines[-1] if len(lines) > 1 else 'an error'})"
+        lines = raised[0].message.rstrip().splitlines()
+        return f"rank {raised[0].rank} failed ({lines[-1] if lines else 'an error'})"
     return f"a process of another machine failed ({world_size} processes in all)"
-
-
-def _rank_of(path: Path) -> int:
-    return int(path.name.split("-rank")[1].split(".")[0])
 
 
 @contextlib.contextmanager
@@ -285,9 +256,3 @@ def quiet_torch_logs() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-
-
-def _attempt(report: Path) -> int:
-    """The attempt of ``report-a{ATTEMPT}-rank{RANK}.txt`` (and of the other reports)."""
-    found = re.search(r"-a(\d+)", report.name)
-    return int(found.group(1)) if found else 0

@@ -1,12 +1,14 @@
 """Each rank's sign of life, for the launcher's hang watchdog (:mod:`paratrain.launching.watchdog`).
 
 A launcher that watches its processes sets ``PARATRAIN_HEARTBEAT_DIR``. Each rank then keeps
-a 32-byte memory-mapped file there, ``beat-rank{R}``: its pid, how many beats it has made,
+a 40-byte memory-mapped file there, ``beat-rank{R}``: its pid, how many beats it has made,
 the time of the last one (``time.monotonic()``: one clock for every process of the machine,
 which a wall-clock step by NTP does not move, so a step is never taken for a hang), and
-whether it is waiting for its peers (in a step's collectives, see :func:`waiting`).
-:func:`beat` rewrites those bytes in place: no system call, about a microsecond, so it can
-sit in every training step. The runtime beats in
+whether it is waiting for its peers (in a step's collectives, see :func:`waiting`), and a
+CRC-32 of those four. :func:`beat` rewrites the bytes in place with one copy: no system call,
+about a microsecond, so it can sit in every training step. The launcher reads the file while
+the rank writes it: a record whose checksum does not match was read half-written, and is read
+again (or skipped for this look), never taken for a beat at time 0. The runtime beats in
 ``rt.backward``, in every collective and for every batch a loader delivers.
 
 :func:`arm` also registers :mod:`faulthandler` on ``SIGUSR2``: the watchdog sends it to a
@@ -26,13 +28,20 @@ import os
 import signal
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-DIRECTORY_VARIABLE = "PARATRAIN_HEARTBEAT_DIR"
+from paratrain.utils import environment
+
+DIRECTORY_VARIABLE = environment.HEARTBEAT_DIR_VARIABLE
 _LAYOUT = struct.Struct("<qqdq")  # pid, beats, time of the last beat, waiting (0/1)
+_CHECK = struct.Struct("<Q")  # CRC-32 of the fields above
+_SIZE = _LAYOUT.size + _CHECK.size
+#: reads of a record caught half-written before it is skipped for this look
+_READ_TRIES = 8
 #: beats between two checks that the launcher is still alive (one system call each)
 _PARENT_CHECK_EVERY = 64
 
@@ -49,6 +58,23 @@ class Beat:
     waiting: bool
 
 
+def encode(pid: int, count: int, when: float, waiting: int) -> bytes:
+    """One heartbeat record, as a rank writes it."""
+    fields = _LAYOUT.pack(pid, count, when, waiting)
+    return fields + _CHECK.pack(zlib.crc32(fields))
+
+
+def decode(record: bytes) -> tuple[int, int, float, int] | None:
+    """The fields of a record, or None if it was read half-written (or is no record)."""
+    if len(record) < _SIZE:
+        return None
+    fields, (check,) = record[: _LAYOUT.size], _CHECK.unpack(record[_LAYOUT.size : _SIZE])
+    if zlib.crc32(fields) != check:
+        return None
+    pid, count, when, waiting = _LAYOUT.unpack(fields)
+    return pid, count, when, waiting
+
+
 def beat_file(directory: Path, rank: int) -> Path:
     return directory / f"beat-rank{rank}"
 
@@ -60,9 +86,9 @@ def stack_file(directory: Path, rank: int) -> Path:
 class _Heart:
     def __init__(self, directory: Path, rank: int) -> None:
         path = beat_file(directory, rank)
-        path.write_bytes(_LAYOUT.pack(os.getpid(), 0, time.monotonic(), 0))
+        path.write_bytes(encode(os.getpid(), 0, time.monotonic(), 0))
         with open(path, "r+b") as handle:
-            self.map = mmap.mmap(handle.fileno(), _LAYOUT.size)
+            self.map = mmap.mmap(handle.fileno(), _SIZE)
         self.pid = os.getpid()
         self.parent = os.getppid()
         self.count = 0
@@ -76,7 +102,9 @@ class _Heart:
         if self.count % _PARENT_CHECK_EVERY == 0 and os.getppid() != self.parent:
             # The launcher is gone (where no kernel signal told us): do not train on alone.
             os._exit(1)
-        _LAYOUT.pack_into(self.map, 0, self.pid, self.count, time.monotonic(), waiting)
+        # One copy of a record built aside: ``pack_into`` zeroes the record before it
+        # fills it in, and a reader then saw a beat at time 0 (silence since boot).
+        self.map[:_SIZE] = encode(self.pid, self.count, time.monotonic(), waiting)
 
 
 _heart: _Heart | None = None
@@ -93,12 +121,10 @@ def arm(rank: int | None = None) -> bool:
     _checked = True
     if _heart is not None and _heart.pid == os.getpid():
         return True
-    directory = os.environ.get(DIRECTORY_VARIABLE)
-    if not directory:
+    env = environment.current()
+    if env.heartbeat_dir is None:
         return False
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    _heart = _Heart(Path(directory), rank)
+    _heart = _Heart(env.heartbeat_dir, env.rank if rank is None else rank)
     return True
 
 
@@ -136,10 +162,24 @@ def read_beats(directory: Path) -> list[Beat]:
     """Every rank's last heartbeat found in ``directory``, in rank order."""
     beats = []
     for path in directory.glob("beat-rank*"):
-        try:
-            pid, count, when, wait = _LAYOUT.unpack(path.read_bytes()[: _LAYOUT.size])
-        except (OSError, struct.error):
+        fields = _read_record(path)
+        if fields is None:
             continue
+        pid, count, when, wait = fields
         rank = int(path.name.removeprefix("beat-rank"))
         beats.append(Beat(rank, pid, count, when, bool(wait)))
     return sorted(beats, key=lambda b: b.rank)
+
+
+def _read_record(path: Path) -> tuple[int, int, float, int] | None:
+    """A whole record of ``path``: read again while the rank is caught writing it; None if
+    it never reads whole (the next look will), or the file is gone."""
+    for _ in range(_READ_TRIES):
+        try:
+            fields = decode(path.read_bytes())
+        except OSError:
+            return None
+        if fields is not None:
+            return fields
+        time.sleep(0)  # let the writer finish its copy
+    return None

@@ -23,26 +23,24 @@ spawned process dies with the launcher, however the launcher ends
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import socket
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from paratrain.distributed import collective_order
 from paratrain.launching import heartbeat, preemption
+from paratrain.launching.launcher import Launcher, report_failure, report_stop, stopped_early
 from paratrain.launching.parent_death import die_with_parent
-from paratrain.launching.watchdog import POLL_SECONDS, Watchdog, hang_timeout
+from paratrain.launching.watchdog import POLL_SECONDS
 from paratrain.strategies.distributed import launched
 from paratrain.utils.atomic import FULL
+from paratrain.utils.environment import REPORT_DIR_VARIABLE, export, exported
 from paratrain.utils.errors import LaunchError, UserError
 
 T = TypeVar("T")
@@ -69,7 +67,6 @@ R = TypeVar("R", bound=ProcessRuntime)
 #: (and as much again before SIGKILL)
 GRACE_SECONDS = 5.0
 _RESULT = "result.pkl"
-_STOPPED = "stopped.json"
 
 
 def launch(
@@ -93,24 +90,8 @@ def launch(
     """
     if processes == 1 or launched():
         return fn(runtime, *args)
-    with _environment(environment or {}):
+    with exported(environment or {}):
         return spawn(rebuild, fn, args, processes)
-
-
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
-    """``variables`` set while processes are spawned (they copy the environment when they
-    start), then put back as they were."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def free_port() -> int:
@@ -131,43 +112,100 @@ def spawn(
             "rt.launch starts new processes and pickles the function and its arguments: "
             f"define the function at the top level of a module ({exc})"
         ) from None
-    timeout = hang_timeout()
-    with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as tmp:
-        watchdog = Watchdog(Path(tmp), timeout) if timeout is not None else None
-        context = mp.start_processes(
-            _worker,
-            args=(rebuild, fn, args, nprocs, free_port(), tmp, watchdog is not None, os.getpid()),
-            nprocs=nprocs,
-            join=False,
-            start_method="spawn",
-        )
-        # The processes have a process group of their own (see _worker): a stop signal
-        # (Ctrl-C in a terminal too) reaches them once, passed on from here.
-        with preemption.forwarding(lambda signum: _send(context.processes, signum)) as got:
-            try:
-                while not context.join(timeout=POLL_SECONDS, grace_period=GRACE_SECONDS):
-                    hang = watchdog.check() if watchdog is not None else None
-                    if hang is not None:
-                        raise LaunchError(hang.message())
-            except ProcessException as exc:
-                if got:  # stopped before the loop could handle the signal
-                    raise _stopped_early(got[0]) from None
-                raise _failure(exc, context, Path(tmp)) from None
-            finally:
-                _stop(context.processes)
-                for name in context.error_files:
-                    Path(name).unlink(missing_ok=True)
-        stopped = _read_stopped(Path(tmp))
-        if stopped is not None:
-            raise stopped
-        result_file = Path(tmp) / _RESULT
-        if not result_file.exists():  # rank 0 was interrupted (SIGINT) and exited quietly
-            if got:
-                raise _stopped_early(got[0])
-            raise LaunchError("rank 0 stopped before returning a result")
-        with open(result_file, "rb") as handle:
-            result: T = pickle.load(handle)
-        return result
+    result: T = SpawnLauncher(nprocs).start(rebuild, fn, args)
+    return result
+
+
+class SpawnLauncher(Launcher):
+    """``torch.multiprocessing`` spawns the processes of one machine (``rt.launch``)."""
+
+    def __init__(self, nprocs: int) -> None:
+        self.nprocs = nprocs
+
+    def rank_environment(self, rank: int, port: int) -> dict[str, str]:
+        """What rank ``rank`` finds in its environment: what torchrun would give it, and
+        this launcher's folder."""
+        return {
+            # the launcher's pid is handed to _worker itself: its own children look for
+            # their own parents
+            **self.child_environment(parent=False),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.nprocs),
+            "LOCAL_WORLD_SIZE": str(self.nprocs),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+
+    def start(self, *args: Any) -> Any:
+        rebuild, fn, fn_args = args
+        with self.folder("paratrain-launch-") as tmp:
+            port = free_port()
+            variables = [self.rank_environment(rank, port) for rank in range(self.nprocs)]
+            context = mp.start_processes(
+                _worker,
+                args=(rebuild, fn, fn_args, variables, os.getpid()),
+                nprocs=self.nprocs,
+                join=False,
+                start_method="spawn",
+            )
+            # The processes have a process group of their own (see _worker): a stop signal
+            # (Ctrl-C in a terminal too) reaches them once, passed on from here.
+            with preemption.forwarding(lambda signum: _send(context.processes, signum)) as got:
+                try:
+                    while not context.join(timeout=POLL_SECONDS, grace_period=GRACE_SECONDS):
+                        hang = self.watchdog.check() if self.watchdog is not None else None
+                        if hang is not None:
+                            raise LaunchError(hang.message())
+                except ProcessException as exc:
+                    if got:  # stopped before the loop could handle the signal
+                        raise stopped_early(got[0]) from None
+                    raise self._failure(exc, context) from None
+                finally:
+                    _stop(context.processes)
+                    for name in context.error_files:
+                        Path(name).unlink(missing_ok=True)
+            stopped = self.stopped()
+            if stopped is not None:
+                raise stopped
+            result_file = tmp / _RESULT
+            if not result_file.exists():  # rank 0 was interrupted (SIGINT) and exited quietly
+                if got:
+                    raise stopped_early(got[0])
+                raise LaunchError("rank 0 stopped before returning a result")
+            with open(result_file, "rb") as handle:
+                return pickle.load(handle)
+
+    def _first_failed_rank(self, exc: ProcessException) -> int:
+        """The rank that failed first: torch reports the first exit it noticed, which can
+        be a consequence. A killed process is always a cause."""
+        if not isinstance(exc, mp.ProcessRaisedException):
+            return exc.error_index
+        failures = self.reports.failures()
+        return failures[0].rank if failures else exc.error_index
+
+    def _failure(self, exc: ProcessException, context: Any) -> Exception:
+        """One exception naming the failed rank and its traceback, signal or exit code."""
+        rank = self._first_failed_rank(exc)
+        if rank != exc.error_index and not os.path.exists(context.error_files[rank]):
+            rank = exc.error_index  # stopped before it could say why: report what torch saw
+        said = {f.rank: f.error() for f in self.reports.failures()}.get(rank)
+        if said is not None:
+            return said
+        who = f"rank {rank} (pid {context.processes[rank].pid})"
+        if rank != exc.error_index:
+            with open(context.error_files[rank], "rb") as handle:
+                trace = str(pickle.load(handle)).rstrip()
+            return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
+        if isinstance(exc, mp.ProcessExitedException):
+            if exc.signal_name:
+                cause = f"was killed by signal {exc.signal_name}"
+            else:
+                cause = f"exited with code {exc.exit_code}"
+            return LaunchError(f"{who} {cause}; the other processes were stopped")
+        trace = exc.msg.split("terminated with the following error:\n", 1)[-1].rstrip()
+        return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
 
 
 def _worker(
@@ -175,65 +213,41 @@ def _worker(
     rebuild: Callable[[], ProcessRuntime],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    nprocs: int,
-    port: int,
-    tmp: str,
-    watched: bool,
+    variables: list[dict[str, str]],
     launcher: int,
 ) -> None:
     """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
     die_with_parent(launcher)  # never train on alone if the launcher is killed
-    if watched:
-        os.environ[heartbeat.DIRECTORY_VARIABLE] = tmp
-        heartbeat.arm(rank)
-    os.environ[collective_order.LAUNCH_DIR_VARIABLE] = tmp  # where its one-line error goes
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    export(variables[rank])
+    heartbeat.arm()
     with contextlib.suppress(OSError):  # signals come from the launcher, once
         os.setpgid(0, 0)
     try:
         runtime = rebuild()
         result = fn(runtime, *args)
     except preemption.Stopped as exc:  # a checkpoint was saved: the launcher exits with it
-        if rank == 0:
-            request = {"signum": exc.request.signum, "at": exc.request.at, "message": exc.message}
-            (Path(tmp) / _STOPPED).write_text(json.dumps(request), encoding="utf-8")
+        report_stop(exc)
         runtime.teardown()
         return
-    except UserError as exc:
-        # Bad input found late is still bad input: the parent re-raises it as such.
-        _record_failure(tmp, rank, exc)
-        (Path(tmp) / f"usererror-{rank}").write_text(str(exc), encoding="utf-8")
-        sys.exit(2)
+    except (UserError, LaunchError) as exc:
+        # Bad input found late is still bad input: the parent re-raises it as such; a
+        # LaunchError is said in one line (a non-finite loss, ranks out of step).
+        sys.exit(report_failure(exc))
     except OSError as exc:
         if exc.errno not in FULL:
-            _record_failure(tmp, rank, exc)
+            report_failure(exc)
             raise
         # A full disk (metrics, weights): one line, like bad input.
-        _record_failure(tmp, rank, exc)
         text = exc.strerror if "no space" in str(exc.strerror) else f"no space left: {exc}"
-        (Path(tmp) / f"usererror-{rank}").write_text(str(text), encoding="utf-8")
-        sys.exit(2)
-    except LaunchError as exc:
-        # Said in one line (a non-finite loss, ranks out of step): no traceback needed.
-        _record_failure(tmp, rank, exc)
-        (Path(tmp) / f"launcherror-{rank}").write_text(str(exc), encoding="utf-8")
-        sys.exit(1)
+        sys.exit(report_failure(UserError(str(text))))
     except Exception as exc:
         # No teardown: exiting closes this process's connections, so the others'
         # collectives fail now instead of at a timeout.
-        _record_failure(tmp, rank, exc)
+        report_failure(exc)
         raise
     runtime.teardown()
     if rank == 0:
-        with open(Path(tmp) / _RESULT, "wb") as handle:
+        with open(Path(variables[0][REPORT_DIR_VARIABLE]) / _RESULT, "wb") as handle:
             pickle.dump(result, handle)
 
 
@@ -242,72 +256,6 @@ def _send(processes: Sequence[Any], signum: int) -> None:
         if process.is_alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signum)
-
-
-def _read_stopped(tmp: Path) -> preemption.Stopped | None:
-    """The stop rank 0 recorded (its line is printed already), or None."""
-    path = tmp / _STOPPED
-    if not path.exists():
-        return None
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    request = preemption.Request(int(saved["signum"]), float(saved["at"]))
-    return preemption.Stopped(request, str(saved["message"]))
-
-
-def _stopped_early(request: preemption.Request) -> BaseException:
-    """A signal that ended the processes before their loop could save anything."""
-    if request.name == "SIGINT":
-        return KeyboardInterrupt()
-    message = preemption.stop_message(request, None, None, time.time() - request.at)
-    print(message, file=sys.stderr, flush=True)
-    return preemption.Stopped(request, message)
-
-
-def _record_failure(tmp: str, rank: int, exc: BaseException) -> None:
-    """When one rank fails, the others fail soon after in their collectives: the time of
-    each failure tells the parent which one was the cause."""
-    (Path(tmp) / f"failed-{rank}").write_text(repr(time.time()), encoding="utf-8")
-    # The process dies of ``exc``: say so as the interpreter does for an uncaught exception,
-    # so that nothing at exit waits on a collective with peers that may be gone.
-    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-
-
-def _first_failed_rank(exc: ProcessException, tmp: Path) -> int:
-    """The rank that failed first: torch reports the first exit it noticed, which can be a
-    consequence. A killed process is always a cause."""
-    if not isinstance(exc, mp.ProcessRaisedException):
-        return exc.error_index
-    times: dict[int, float] = {}
-    for path in tmp.glob("failed-*"):
-        with contextlib.suppress(ValueError, OSError):
-            times[int(path.name.split("-")[1])] = float(path.read_text(encoding="utf-8"))
-    return min(times, key=times.__getitem__) if times else exc.error_index
-
-
-def _failure(exc: ProcessException, context: Any, tmp: Path) -> Exception:
-    """One exception naming the failed rank and its traceback, signal or exit code."""
-    rank = _first_failed_rank(exc, tmp)
-    if rank != exc.error_index and not os.path.exists(context.error_files[rank]):
-        rank = exc.error_index  # stopped before it could say why: report what torch saw
-    user_error = tmp / f"usererror-{rank}"
-    if user_error.exists():
-        return UserError(user_error.read_text(encoding="utf-8"))
-    launch_error = tmp / f"launcherror-{rank}"
-    if launch_error.exists():
-        return LaunchError(launch_error.read_text(encoding="utf-8"))
-    who = f"rank {rank} (pid {context.processes[rank].pid})"
-    if rank != exc.error_index:
-        with open(context.error_files[rank], "rb") as handle:
-            trace = str(pickle.load(handle)).rstrip()
-        return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
-    if isinstance(exc, mp.ProcessExitedException):
-        if exc.signal_name:
-            cause = f"was killed by signal {exc.signal_name}"
-        else:
-            cause = f"exited with code {exc.exit_code}"
-        return LaunchError(f"{who} {cause}; the other processes were stopped")
-    trace = exc.msg.split("terminated with the following error:\n", 1)[-1].rstrip()
-    return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
 
 
 def _stop(processes: Sequence[Any]) -> None:

@@ -17,10 +17,12 @@ import os
 import signal
 import sys
 
+from paratrain.utils import environment
+
 _PR_SET_PDEATHSIG = 1
 #: the pid of the process that started this one, as that process knew itself: set by
 #: paratrain's launchers for the processes they start
-PARENT_VARIABLE = "PARATRAIN_PARENT_PID"
+PARENT_VARIABLE = environment.PARENT_VARIABLE
 
 
 def die_with_parent(parent: int | None = None) -> bool:
@@ -32,9 +34,8 @@ def die_with_parent(parent: int | None = None) -> bool:
     already been replaced by PID 1 (or a subreaper), which a late look would take for the
     parent and outlive. Returns whether the kernel watches (Linux); the heartbeat checks
     in any case."""
-    given = os.environ.get(PARENT_VARIABLE, "")
-    if parent is None and given.isdigit():
-        parent = int(given)
+    if parent is None:
+        parent = environment.current().parent_pid
     if parent is None:
         parent = os.getppid()
     armed = False

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,7 +69,7 @@ def stop_message(
     request: Request, step: int | None, checkpoint: Path | None, seconds: float
 ) -> str:
     """The one line a stop prints."""
-    where = "" if step is None else f" after step {step}"
+    where = " before the first step" if step is None else f" after step {step}"
     saved = "nothing was saved" if checkpoint is None else f"checkpoint {checkpoint} is complete"
     return (
         f"paratrain: stopped by {request.name}{where}: {saved}, {seconds:.2f}s after the "
@@ -78,6 +80,8 @@ def stop_message(
 _request: Request | None = None
 _interrupts = 0
 _watching = False
+#: a loop or a launcher handles the stop signals now (see :func:`stop_before_start`)
+_handled = False
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
@@ -102,7 +106,7 @@ def watch() -> bool:
     for name in STOP_SIGNALS:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), _handle)
-    _watching = True
+    _watching = _handled = True
     return True
 
 
@@ -152,8 +156,8 @@ def clear() -> None:
 
 def reset() -> None:
     """Forget a request and put Python's handlers back (tests; a process run again)."""
-    global _request, _interrupts, _watching
-    _request, _interrupts = None, 0
+    global _request, _interrupts, _watching, _handled
+    _request, _interrupts, _handled = None, 0, False
     if _watching and threading.current_thread() is threading.main_thread():
         for name in STOP_SIGNALS:
             if hasattr(signal, name):
@@ -167,10 +171,12 @@ def forwarding(send: Callable[[int], None]) -> Iterator[list[Request]]:
     """A launcher's handlers while its processes run: each stop signal is passed on with
     ``send(signum)``; a second Ctrl-C also raises ``KeyboardInterrupt`` here. The list it
     yields holds the first signal received."""
+    global _handled
     received: list[Request] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
+    _handled = True
     interrupts = [0]
 
     def handle(signum: int, frame: FrameType | None) -> None:
@@ -189,3 +195,26 @@ def forwarding(send: Callable[[int], None]) -> Iterator[list[Request]]:
     finally:
         for name, handler in before.items():
             signal.signal(getattr(signal, name), handler)
+
+
+def stop_before_start(speaks: Callable[[], bool]) -> None:
+    """From a command's first line until a loop or a launcher handles them: SIGTERM or
+    SIGUSR1 end the command with its one line, "stopped by SIG... before the first step"
+    (printed where ``speaks()``), and its exit code, instead of dying without a word."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop_now(signum: int, frame: FrameType | None) -> None:
+        if _handled:  # the loop or the launcher has had its turn: as if never handled
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        request = Request(signum, time.time())
+        message = stop_message(request, None, None, 0.0)
+        if speaks():
+            print(message, file=sys.stderr, flush=True)
+        raise Stopped(request, message)
+
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), stop_now)

@@ -11,13 +11,13 @@ node list, at ``MASTER_PORT`` or a port derived from the job id (the same on eve
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 SWITCH_VARIABLE = "PARATRAIN_SLURM"
@@ -136,7 +136,7 @@ def _int(env: Mapping[str, str], name: str) -> int:
 def from_env(env: Mapping[str, str] | None = None) -> SlurmTasks | None:
     """This task under ``srun``, checked; None outside a SLURM job step, under another
     launcher (``RANK`` set), or with ``PARATRAIN_SLURM=0``."""
-    env = os.environ if env is None else env
+    env = environment.current().variables if env is None else env
     if env.get(SWITCH_VARIABLE) == "0" or env.get("RANK") is not None:
         return None
     if env.get("SLURM_STEP_ID") is None or env.get("SLURM_PROCID") is None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from paratrain.launching.heartbeat import Beat, read_beats, stack_file
 from paratrain.launching.parent_death import process_exists
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 TIMEOUT_VARIABLE = "PARATRAIN_HANG_TIMEOUT"
@@ -38,7 +39,7 @@ _DUMP_SECONDS = 3.0
 
 def hang_timeout() -> float | None:
     """``PARATRAIN_HANG_TIMEOUT`` in seconds (default 600); None when it is 0 (off)."""
-    raw = os.environ.get(TIMEOUT_VARIABLE)
+    raw = environment.current().get(TIMEOUT_VARIABLE)
     if not raw:
         return DEFAULT_TIMEOUT
     try:

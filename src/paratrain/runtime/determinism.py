@@ -10,13 +10,13 @@ same weights, bit for bit. On the CPU the defaults are already deterministic.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 #: cuBLAS needs a fixed workspace to be deterministic; read when cuBLAS starts
@@ -36,7 +36,7 @@ def make_deterministic() -> None:
     Call it before the first CUDA operation of the process: cuBLAS reads its workspace
     setting when it starts (spawned processes inherit it from the environment).
     """
-    os.environ.setdefault(CUBLAS_WORKSPACE_VARIABLE, CUBLAS_WORKSPACE)
+    environment.set_default(CUBLAS_WORKSPACE_VARIABLE, CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -76,7 +76,7 @@ def numerics_settings() -> dict[str, Any]:
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "tf32_matmul": tf32_matmul,
         "tf32_cudnn_conv": tf32_cudnn,
-        "cublas_workspace_config": os.environ.get(CUBLAS_WORKSPACE_VARIABLE),
+        "cublas_workspace_config": environment.current().get(CUBLAS_WORKSPACE_VARIABLE),
     }
 
 

@@ -32,6 +32,7 @@ from paratrain.training import run_lock, rundir
 from paratrain.training.config import TrainConfig
 from paratrain.training.recipes import get_recipe
 from paratrain.training.resume import CHANGEABLE, resume_config
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 #: fields that say where and how this command runs, not what it trains
@@ -39,7 +40,7 @@ _NOT_COMPARED = CHANGEABLE | {"out", "overwrite", "resume_from", "progress"}
 
 
 def _note(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+    if environment.current().is_rank_zero:  # under torchrun, once
         print(f"paratrain: note: {message}", file=sys.stderr, flush=True)
 
 

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from paratrain.checkpoints.state import latest_checkpoint
-from paratrain.launching.agent import REPORT_VARIABLE, Nodes, previous_failure, run_agent
+from paratrain.launching.agent import Nodes, previous_failure, run_agent
 from paratrain.launching.threads import choose_for, say_note, started_note
 from paratrain.strategies import build_strategy
 from paratrain.training import rundir
 from paratrain.training.config import TrainConfig
 from paratrain.training.recipes import get_recipe
 from paratrain.training.resume import resume_config
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 CONFIG_VARIABLE = "PARATRAIN_TRAIN_CONFIG"
@@ -71,12 +71,13 @@ def start_agent(cfg: TrainConfig, nodes: Nodes) -> int:
 def worker_config() -> tuple[TrainConfig, str | None]:
     """This process's configuration, and the run directory when it is already prepared
     (None: the main process prepares ``cfg.out``)."""
-    raw = os.environ.get(CONFIG_VARIABLE)
+    env = environment.current()
+    raw = env.get(CONFIG_VARIABLE)
     if not raw:
         raise UserError(f"{CONFIG_VARIABLE} is not set: start this through `paratrain train`")
     cfg = TrainConfig(**json.loads(raw))
     assert cfg.out is not None
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = env.attempt
     if restart == 0:
         return cfg, (cfg.out if cfg.resume_from is not None else None)
     if latest_checkpoint(Path(cfg.out)) is None:
@@ -84,7 +85,7 @@ def worker_config() -> tuple[TrainConfig, str | None]:
         return dataclasses.replace(cfg, resume_from=None, overwrite=True), None
     given = {name: getattr(cfg, name) for name in _CARRIED}
     resumed = resume_config(cfg.out, given)
-    if os.environ.get("RANK", "0") == "0":
+    if env.is_rank_zero:
         print(
             f"paratrain: note: {_what_failed(restart)}; restart {restart}: continuing from "
             f"{resumed.resume_from}",
@@ -95,8 +96,7 @@ def worker_config() -> tuple[TrainConfig, str | None]:
 
 def _what_failed(restart: int) -> str:
     """Which rank made the previous attempt fail, from the launcher's report folder."""
-    folder = os.environ.get(REPORT_VARIABLE)
-    if not folder:
+    env = environment.current()
+    if env.report_dir is None:
         return "a process failed"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return previous_failure(Path(folder), restart - 1, world)
+    return previous_failure(env.report_dir, restart - 1, env.world_size)

@@ -10,12 +10,12 @@ a folder it is given; a database such as ``sqlite:///mlflow.db`` needs no such t
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 #: the experiment paratrain's runs are logged under
@@ -57,7 +57,7 @@ class MlflowLogger:
 
         uri = tracking_uri(uri)
         if uri.startswith("file:"):  # the local folder asked for, not a database
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            environment.set_default("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(EXPERIMENT)
         experiment_id = (

@@ -8,18 +8,23 @@ writes the directory::
     lock.release()            # or: with hold(run_dir): ...
 
 A lock whose owner is gone (the same host, no such process) is stale: it is taken over,
-with a note. A lock held by another host cannot be checked from here and is refused with
-the owner named; its file may be removed by hand once that run is known to be gone.
+with a note. A lock file appears whole (written aside, then linked into place), and a
+takeover happens under an advisory lock on the directory, where the taker looks again: two
+processes taking over the same stale lock at once end with one owner. A lock held by another
+host cannot be checked from here and is refused with the owner named; its file may be removed
+by hand once that run is known to be gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,36 +75,66 @@ def acquire(run_dir: str | Path) -> RunLock:
     except OSError as exc:
         raise UserError(f"cannot create {directory}: {exc.strerror}") from None
     path = directory / LOCK
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    for _ in range(3):  # another process may take a stale lock over at the same moment
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask
-        except FileExistsError:
-            owner = _read(path)
-            if owner is None:  # being written right now, or unreadable: look again
-                time.sleep(0.05)
-                owner = _read(path) or {}
-            if _is_mine(owner):
-                return RunLock(path, created)
-            if _alive(owner):
-                raise UserError(_refusal(directory, owner)) from None
+    me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+    for _ in range(3):  # another process may take the lock, or release it, meanwhile
+        if _publish(directory, path, me):
+            return RunLock(path, created)
+        owner = _read(path)
+        if owner is not None and _is_mine(owner):
+            return RunLock(path, created)
+        if owner is not None and _alive(owner):
+            raise UserError(_refusal(directory, owner))
+        if _take_over(directory, path, owner, me):
+            return RunLock(path, created)
+    raise UserError(f"cannot lock {directory}: other processes keep taking its lock")
+
+
+def _publish(directory: Path, path: Path, record: str) -> bool:
+    """Create the lock file holding ``record``, whole; False if a lock file exists."""
+    aside = path.with_name(f"{LOCK}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        aside.write_text(record, encoding="utf-8")
+        os.link(aside, path)  # fails if the lock exists: one process creates it
+    except FileExistsError:
+        return False
+    except OSError as exc:  # a full disk, a folder not writable
+        raise UserError(f"cannot lock {directory}: {exc.strerror or exc}") from None
+    finally:
+        aside.unlink(missing_ok=True)
+    return True
+
+
+def _take_over(directory: Path, path: Path, stale: dict[str, Any] | None, record: str) -> bool:
+    """Replace the stale lock ``stale`` (None: unreadable) with ``record``: one process at a
+    time, each looking again first, so that a lock another taker just created is not removed
+    as the stale one. False if the lock changed meanwhile."""
+    with _directory_locked(directory):
+        if _read(path) != stale:
+            return False  # taken over, or released, by another process meanwhile
+        owner = stale or {}
+        if path.exists():  # (released meanwhile: nothing to take over)
             print(
                 f"paratrain: note: {directory} was locked by pid {owner.get('pid')} on "
                 f"{owner.get('host')}, which is gone; taking the lock over",
                 file=sys.stderr,
             )
-            path.unlink(missing_ok=True)
-            continue
-        except OSError as exc:
-            raise UserError(f"cannot lock {directory}: {exc.strerror}") from None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(me, handle)
-        except OSError as exc:  # a full disk: no empty lock left behind
-            path.unlink(missing_ok=True)
-            raise UserError(f"cannot lock {directory}: {exc.strerror or exc}") from None
-        return RunLock(path, created)
-    raise UserError(f"cannot lock {directory}: other processes keep taking its lock")
+        path.unlink(missing_ok=True)
+        return _publish(directory, path, record)
+
+
+@contextlib.contextmanager
+def _directory_locked(directory: Path) -> Iterator[None]:
+    """An advisory lock on the run directory itself (no file left behind), for takeovers."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as exc:
+        raise UserError(f"cannot lock {directory}: {exc.strerror or exc}") from None
+    try:
+        with contextlib.suppress(OSError):  # no advisory locks here: the look again still helps
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the advisory lock
 
 
 def refuse_if_held(run_dir: str | Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from paratrain.launching.parent_death import PARENT_VARIABLE
 from paratrain.tools.bench import control
 from paratrain.tools.bench.worker import WORKER_CODE, RunSpec, collect
+from paratrain.utils import environment
 
 _LAUNCHER_VARIABLES = frozenset(
     (
@@ -58,8 +59,10 @@ class WorkerProcess:
         command = [sys.executable, "-c", WORKER_CODE, str(spec_path), str(self.out_dir)]
         # A bench started inside a launched group must not make its workers think they are
         # ranks of that group.
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        env[PARENT_VARIABLE] = str(os.getpid())  # it must not outlive this bench
+        # it must not outlive this bench
+        env = environment.child_environment(
+            {PARENT_VARIABLE: str(os.getpid())}, without=_LAUNCHER_VARIABLES
+        )
         # A session of its own: on a timeout the whole group (launched ranks too) is ended.
         # stderr to a file: a pipe nobody reads while the worker waits could fill and block it
         self._stderr = self._tmp / "stderr.txt"

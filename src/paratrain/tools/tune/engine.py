@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 #: Ray's experiment folder inside the search's --out (its state, results, checkpoints)
@@ -59,11 +59,11 @@ def ray_running(address: str | None = None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no prompt, nothing sent
+    environment.set_default("RAY_USAGE_STATS_ENABLED", "0")  # no prompt, nothing sent
     # Every epoch's checkpoint snapshots the experiment state: small here, not a bottleneck.
-    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    environment.set_default("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # Ray's own experiment table and hints: paratrain draws its own (verbose=0 is silent so).
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    environment.set_default("RAY_AIR_NEW_OUTPUT", "0")
     quiet: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if address is None:
         # Ray's default for a new cluster (token authentication) stays; its notice goes.
