@@ -32,19 +32,24 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
                     low[node] = min(low[node], index[nxt])
                 continue
             if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
+                component = _pop_component(stack, on_stack, node)
                 if len(component) > 1:
                     found.append(sorted(component))
             if work:
                 parent = work[-1][0]
                 low[parent] = min(low[parent], low[node])
     return found
+
+
+def _pop_component(stack: list[str], on_stack: set[str], root: str) -> list[str]:
+    """The modules on ``stack`` down to ``root``, taken off it: one component."""
+    component = []
+    while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.append(member)
+        if member == root:
+            return component
 
 
 def test_no_import_cycles() -> None:

@@ -7,7 +7,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sized
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,16 +26,14 @@ from paratrain.checkpoints.state import (
 from paratrain.checkpoints.state.store import checkpoint_name
 from paratrain.checkpoints.weights import unwrap_model
 from paratrain.data.loaders import DeviceLoader
-from paratrain.launching.threads import ContentionGuard, load_note
+from paratrain.launching.threads import load_note
 from paratrain.runtime.facade import Runtime
 from paratrain.training import rundir
 from paratrain.training.config import TrainConfig
+from paratrain.training.loggers import build_observers
 from paratrain.training.loop_timing import LoopClock, LoopTimes
-from paratrain.training.mlflow_logger import MlflowLogger
-from paratrain.training.profiling import StepProfiler
-from paratrain.training.progress import TrainProgress
+from paratrain.training.observer import EpochReport, Observers, StepReport
 from paratrain.training.recipes import get_recipe
-from paratrain.training.tensorboard_logger import TensorBoardLogger
 from paratrain.training.watch import RunWatch
 from paratrain.utils.errors import UserError
 
@@ -122,6 +120,50 @@ def evaluate(
 EpochCallback = Callable[[dict[str, Any]], None]
 
 
+@dataclass
+class LoopParts:
+    """What the epochs train with, built once by ``_set_up``."""
+
+    rt: Runtime
+    cfg: TrainConfig
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any
+    #: the loss as ``rt.setup`` returned it, and the recipe's own (evaluation, FLOPs)
+    loss_fn: Any
+    plain_loss: nn.Module
+    classification: bool
+    train_loader: DeviceLoader
+    test_loader: DeviceLoader
+    saver: Checkpointer
+    watch: RunWatch
+    observers: Observers
+    #: optimizer steps this run trains up to (``--max-steps`` or the epochs')
+    total: int
+    steps_per_epoch: int
+    on_epoch: EpochCallback | None
+    #: the run's time starts after its set-up: ``time.perf_counter()`` then, and the clock
+    start: float
+    clock: LoopClock
+
+
+@dataclass
+class LoopState:
+    """Where the run stands: ``batch`` global batches of ``epoch`` trained, ``step``
+    optimizer steps in the whole run, ``samples`` (all processes) in this run; ``loss_sum``
+    and ``count``: this process's in the epoch so far; the last finished epoch's figures."""
+
+    epoch: int
+    batch: int
+    step: int
+    samples: int = 0
+    loss_sum: Any = 0.0
+    count: int = 0
+    train_loss: float = math.nan
+    eval_loss: float = math.nan
+    eval_accuracy: float | None = None
+
+
 def train(
     rt: Runtime, cfg: TrainConfig, directory: Path | None, on_epoch: EpochCallback | None = None
 ) -> Summary:
@@ -132,6 +174,40 @@ def train(
     process after each epoch's evaluation and end-of-epoch checkpoint, with ``epoch``,
     ``step``, ``train_loss``, ``eval_loss`` and ``eval_accuracy`` (None for regression).
     """
+    loop, at = _set_up(rt, cfg, directory, on_epoch)
+    assert cfg.epochs is not None  # resolved: the recipe's where not given
+    last = at.last_metrics  # a resumed run that trains no further still has its figures
+    state = LoopState(at.epoch - 1, at.batch, at.step)
+    state.train_loss = last.get("train_loss", math.nan)
+    state.eval_loss = last.get("eval_loss", math.nan)
+    state.eval_accuracy = last.get("eval_accuracy")
+    if rt.world_size == 1 and (note := load_note(rt.threads, 1)) is not None:
+        print(f"paratrain: note: {note}", file=sys.stderr, flush=True)  # launchers say theirs
+    _count_steps_from(rt, at.step)  # steps are named by their number in the whole run
+    if _stop_asked(rt):  # from here on a signal stops after a step (and before the first)
+        _stop(loop, (at.epoch, at.batch, at.step), at.loss_sum, at.samples)
+    with loop.observers.running():
+        for epoch in range(at.epoch, cfg.epochs):
+            if not train_epoch(loop, state, epoch, at):
+                break
+    with loop.clock.measure("checkpoint"):
+        loop.saver.wait()  # the last checkpoint is complete before the run is marked finished
+    summary = _summary(loop, state, time.perf_counter() - loop.start)
+    if directory is not None:  # every process: fsdp gathers the sharded weights
+        with rundir.full_disk_said(directory):
+            rt.save_weights(loop.model, directory / rundir.WEIGHTS)
+    if directory is not None and rt.is_main:
+        _finish(rt, cfg, directory, summary)
+    loop.observers.close()  # after the files: MLflow keeps the final ones
+    rt.barrier()
+    return summary
+
+
+def _set_up(
+    rt: Runtime, cfg: TrainConfig, directory: Path | None, on_epoch: EpochCallback | None
+) -> tuple[LoopParts, Position]:
+    """The recipe's model, optimizer and data set up on ``rt``, the checkpoint resumed
+    from, and the run's files and observers; where the run goes on from."""
     recipe = get_recipe(cfg.recipe)
     assert cfg.epochs is not None and cfg.batch_size is not None
     train_set, test_set = recipe.build_data(cfg)
@@ -155,188 +231,186 @@ def train(
     at = Position()
     if resumed:  # restores the random generators too: no random draw may come after this
         at = load_checkpoint(layout, Path(str(cfg.resume_from)), parts, batches_per_epoch)
-        if rt.micro_batches.active:  # --oom auto: the pieces it had come to
-            rt.micro_batches.split = max(rt.micro_batches.split, at.micro_batch_split)
+        _resume_micro_batches(rt, at)
     writer = None
     if directory is not None and rt.is_main:
-        keep_lines = at.metrics_lines if resumed else None
-        writer = rundir.MetricsWriter(directory / rundir.METRICS, keep_lines)
+        writer = rundir.MetricsWriter(
+            directory / rundir.METRICS, at.metrics_lines if resumed else None
+        )
         rundir.write_config(directory, _config_payload(rt, cfg, "running"))
     saver = Checkpointer(layout, directory, cfg, parts, batches_per_epoch, at, writer)
-    saver.micro_batch_split = lambda: rt.micro_batches.split
-    timings = None
-    if directory is not None and rt.is_main:
-        timings = rundir.MetricsWriter(directory / rundir.TIMINGS)
-    tb = None  # --tensorboard: RUN/tensorboard/, written by the main process
-    if cfg.tensorboard and directory is not None:
-        tb = TensorBoardLogger(directory, rt, purge_step=at.step if resumed else None)
-    ml = None  # --mlflow: one MLflow run, written by the main process
-    if cfg.mlflow is not None and rt.is_main:
-        ml = MlflowLogger(cfg.mlflow, directory.name if directory is not None else cfg.recipe)
-        ml.log_params({"config": cfg.to_dict(), "runtime": rt.describe()})
-
+    saver.micro_batch_split = lambda: _micro_batch_split(rt)
+    saver.before_save = rt.settle  # the last step's checks are read before a checkpoint
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
-    step, samples, start = at.step, 0, time.perf_counter()
-    clock = LoopClock(rt.device)
     watch = RunWatch(rt)  # throughput, MFU, peak memory
-    profiler = StepProfiler(directory, cfg.profile, rt.rank)
-    # other work that starts later is said once; the thread count stays (threads.py)
-    contention = ContentionGuard(torch.get_num_threads() if rt.threads.source == "chosen" else 1)
-    if rt.world_size == 1 and (note := load_note(rt.threads, 1)) is not None:
-        print(f"paratrain: note: {note}", file=sys.stderr, flush=True)  # launchers say theirs
-    rt.state.step = step  # steps are named by their number in the whole run
-    last = at.last_metrics  # a resumed run that trains no further still has its figures
-    train_loss, eval_loss = last.get("train_loss", math.nan), last.get("eval_loss", math.nan)
-    accuracy = last.get("eval_accuracy")
-    epoch = at.epoch - 1
-    if rt.should_stop():  # from here on a signal stops after a step (and before the first)
-        _stop(rt, saver, clock, (at.epoch, at.batch, step), at.loss_sum, at.samples)
-    with TrainProgress(total, enabled=cfg.progress and rt.is_main) as bar:
-        bar.mfu_of = watch.mfu
-        for epoch in range(at.epoch, cfg.epochs):
-            batch = at.batch if epoch == at.epoch else 0
-            if step >= total and batch == 0:
-                epoch -= 1  # resumed from the checkpoint that ended the run: none trained here
-                break
-            train_loader.set_epoch(epoch, batch)
-            model.train()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
-            count = 0
-            if epoch == at.epoch:
-                loss_sum += at.loss_sum
-                count = at.samples
-            epoch_start, epoch_samples = time.perf_counter(), samples
-            for x, y in train_loader if step < total else ():
-                with rt.accumulate(model):
-                    loss = rt.forward_backward(model, loss_fn, x, y)
-                applied = rt.sync_gradients
-                optimizer.step()
-                optimizer.zero_grad()
-                if applied and scheduler is not None:
-                    scheduler.step()
-                if not rt.step_skipped:  # --skip-nonfinite: no NaN in the epoch's mean
-                    loss_sum += loss.detach().double() * len(y)
-                    count += len(y)
-                samples += len(y) * rt.strategy.data_shards
-                batch += 1
-                step += applied
-                clock.batch_done(samples)
-                watch.count(model, plain_loss, x, y)  # once, on the main process
-                profiler.step()
-                if (note := contention.check()) is not None:
-                    print(f"paratrain: note: rank {rt.rank}: {note}", file=sys.stderr, flush=True)
-                if bar.due():
-                    bar.update(step, epoch, loss.item(), samples)
-                if tb is not None and tb.due():
-                    tb.log({"loss/train": loss.item()}, step)
-                if applied and saver.due(step, batch):
-                    with clock.measure("checkpoint"):
-                        saver.save(epoch, batch, step, loss_sum, count)
-                if step >= total:
-                    break
-                if applied and rt.should_stop():  # a signal: save this step, then stop
-                    _stop(rt, saver, clock, (epoch, batch, step), loss_sum, count)
-            if batch < batches_per_epoch:  # stopped by --max-steps: resumable from here
-                with clock.measure("checkpoint"):
-                    saver.save(epoch, batch, step, loss_sum, count)
-            train_loss = _mean_over_processes(rt, loss_sum, count)  # waits for the device
-            speed = (samples - epoch_samples) / max(time.perf_counter() - epoch_start, 1e-9)
-            watched = {**watch.record(speed), "peak_memory_bytes": watch.peak_memory()}
-            watched["threads"] = torch.get_num_threads()
-            with clock.measure("eval"):
-                eval_loss, accuracy = evaluate(
-                    rt, model, test_loader, plain_loss, recipe.classification
-                )
-            bar.update(step, epoch, train_loss, samples)
-            if writer is not None:
-                writer.write(_record(epoch, step, "train", train_loss, None))
-                writer.write(_record(epoch, step, "eval", eval_loss, accuracy))
-            if ml is not None:
-                ml.log(
-                    {
-                        "train_loss": train_loss,
-                        "eval_loss": eval_loss,
-                        "eval_accuracy": accuracy,
-                        "samples_per_second": speed,
-                        "mfu": watched["mfu"],
-                    },
-                    step,
-                )
-            if tb is not None:
-                epoch_values = {"loss/train_epoch": train_loss, "loss/eval": eval_loss}
-                tb.log({**epoch_values, "accuracy/eval": accuracy}, step)
-                tb.log_progress(step, optimizer, samples / max(time.perf_counter() - start, 1e-9))
-                tb.log({"throughput/mfu": watched["mfu"]}, step)
-            saver.last_metrics = {
-                "train_loss": train_loss,
-                "eval_loss": eval_loss,
-                "eval_accuracy": accuracy,
-            }
-            if batch == batches_per_epoch:
-                with clock.measure("checkpoint"):
-                    saver.save(epoch + 1, 0, step)
-            if timings is not None:
-                # measured, not reproducible: beside the timings, not in metrics.jsonl
-                timings.write({**clock.end_epoch(epoch, step), **watched})
-            if on_epoch is not None:
-                saver.wait()  # the epoch's checkpoint is on disk before anyone reads it
-                if rt.is_main:
-                    on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
-            if step >= total:
-                break
-            if rt.should_stop():  # arrived during the evaluation: the epoch's checkpoint
-                _stop(rt, saver, clock, (epoch + 1, 0, step))
-    profiler.close()
-    with clock.measure("checkpoint"):
-        saver.wait()  # the last checkpoint is complete before the run is marked finished
-    seconds = time.perf_counter() - start
-    if tb is not None:
-        tb.close()
-    summary = Summary(
-        epoch + 1, step, seconds, train_loss, eval_loss, accuracy, samples / max(seconds, 1e-9)
-    )
-    summary.times = clock.times(samples)
-    summary.epochs_trained = step / max(1, steps_per_epoch)
-    summary.micro_batch_split = rt.micro_batches.split
-    summary.halved_at_step = rt.micro_batches.halved_at
-    summary.piece_samples = rt.micro_batches.piece_samples
-    if timings is not None:
-        timings.close()
-    if directory is not None:  # every process: fsdp gathers the sharded weights
-        with rundir.full_disk_said(directory):
-            rt.save_weights(model, directory / rundir.WEIGHTS)
-    if writer is not None and directory is not None:
-        writer.close()
-        _finish(rt, cfg, directory, summary)
-    if ml is not None:  # the final weights and config.json as the run's artifacts
-        ml.finish(
-            [] if directory is None else [directory / rundir.WEIGHTS, directory / rundir.CONFIG]
+    purge_step = at.step if resumed else None
+    observers = build_observers(rt, cfg, directory, writer, optimizer, watch, total, purge_step)
+    loop = LoopParts(
+        rt, cfg, model, optimizer, scheduler, loss_fn, plain_loss, recipe.classification,
+        train_loader, test_loader, saver, watch, observers, total, steps_per_epoch, on_epoch,
+        time.perf_counter(), LoopClock(rt.device),
+    )  # fmt: skip
+    return loop, at
+
+
+def train_epoch(loop: LoopParts, state: LoopState, epoch: int, at: Position) -> bool:
+    """Train ``epoch`` (from ``at`` where the run resumes in it), evaluate and checkpoint
+    it; whether the run goes on to the next epoch."""
+    batch = at.batch if epoch == at.epoch else 0
+    if state.step >= loop.total and batch == 0:
+        state.epoch = epoch - 1  # resumed from the checkpoint that ended the run: none trained
+        return False
+    state.epoch, state.batch = epoch, batch
+    loop.train_loader.set_epoch(epoch, batch)
+    loop.model.train()
+    state.loss_sum = torch.zeros((), dtype=torch.float64, device=loop.rt.device)
+    state.count = 0
+    if epoch == at.epoch:
+        state.loss_sum += at.loss_sum
+        state.count = at.samples
+    epoch_start, epoch_samples = time.perf_counter(), state.samples
+    for x, y in loop.train_loader if state.step < loop.total else ():
+        loss, applied = train_step(loop, state, x, y)
+        if _after_step(loop, state, loss, applied, (x, y)):
+            break
+    return _end_epoch(loop, state, epoch_start, epoch_samples)
+
+
+def _after_step(
+    loop: LoopParts, state: LoopState, loss: torch.Tensor, applied: bool, batch: tuple[Any, Any]
+) -> bool:
+    """The observers, a ``--save-every`` checkpoint and the stops after a batch; whether
+    the epoch ends here (``--max-steps`` reached)."""
+    loop.clock.batch_done(state.samples)
+    loop.watch.count(loop.model, loop.plain_loss, *batch)  # once, on the main process
+    loop.observers.on_step(StepReport(state.epoch, state.step, state.samples, loss))
+    if applied and loop.saver.due(state.step, state.batch):
+        with loop.clock.measure("checkpoint"):
+            loop.saver.save(state.epoch, state.batch, state.step, state.loss_sum, state.count)
+    if state.step >= loop.total:
+        return True
+    if applied and _stop_asked(loop.rt):  # a signal: save this step, then stop
+        position = (state.epoch, state.batch, state.step)
+        _stop(loop, position, state.loss_sum, state.count)
+    return False
+
+
+def _end_epoch(loop: LoopParts, state: LoopState, epoch_start: float, epoch_samples: int) -> bool:
+    """The epoch's mean loss, evaluation, records and checkpoint; whether the run goes on."""
+    rt, saver, clock, epoch, step = loop.rt, loop.saver, loop.clock, state.epoch, state.step
+    finished = state.batch == saver.batches_per_epoch
+    if not finished:  # stopped by --max-steps: resumable from here
+        with clock.measure("checkpoint"):
+            saver.save(epoch, state.batch, step, state.loss_sum, state.count)
+    state.train_loss = _mean_over_processes(rt, state.loss_sum, state.count)  # waits for it
+    speed = (state.samples - epoch_samples) / max(time.perf_counter() - epoch_start, 1e-9)
+    watched = {**loop.watch.record(speed), "peak_memory_bytes": loop.watch.peak_memory()}
+    watched["threads"] = torch.get_num_threads()
+    with clock.measure("eval"):
+        state.eval_loss, state.eval_accuracy = evaluate(
+            rt, loop.model, loop.test_loader, loop.plain_loss, loop.classification
         )
-    rt.barrier()
+    report = EpochReport(
+        epoch, step, state.samples, state.train_loss, state.eval_loss, state.eval_accuracy,
+        speed, watched, loop.start,
+    )  # fmt: skip
+    loop.observers.on_epoch(report)
+    saver.last_metrics = {
+        "train_loss": state.train_loss,
+        "eval_loss": state.eval_loss,
+        "eval_accuracy": state.eval_accuracy,
+    }
+    if finished:
+        with clock.measure("checkpoint"):
+            saver.save(epoch + 1, 0, step)
+    loop.observers.on_epoch_saved(replace(report, times=clock.end_epoch(epoch, step)))
+    if loop.on_epoch is not None:
+        saver.wait()  # the epoch's checkpoint is on disk before anyone reads it
+        if rt.is_main:
+            loop.on_epoch({"epoch": epoch, "step": step, **saver.last_metrics})
+    if step >= loop.total:
+        return False
+    if _stop_asked(rt):  # arrived during the evaluation: the epoch's checkpoint
+        _stop(loop, (epoch + 1, 0, step))
+    return True
+
+
+# -- the runtime's step: every call the loop makes on it is in this section -------------------
+
+
+def train_step(loop: LoopParts, state: LoopState, x: Any, y: Any) -> tuple[torch.Tensor, bool]:
+    """One batch: forward and backward (a micro-batch while accumulating), the optimizer
+    step, the scheduler where the gradients were applied, and the counting. Returns the
+    batch's loss (on the device) and whether the gradients were applied."""
+    rt, model = loop.rt, loop.model
+    with rt.accumulate(model):
+        loss = rt.forward_backward(model, loop.loss_fn, x, y)
+    applied = rt.sync_gradients
+    loop.optimizer.step()
+    loop.optimizer.zero_grad()
+    if applied and loop.scheduler is not None:
+        loop.scheduler.step()
+    if not rt.step_skipped:  # --skip-nonfinite: no NaN in the epoch's mean
+        state.loss_sum += loss.detach().double() * len(y)
+        state.count += len(y)
+    state.samples += len(y) * rt.strategy.data_shards
+    state.batch += 1
+    state.step += applied
+    return loss, applied
+
+
+def _stop_asked(rt: Runtime) -> bool:
+    """Whether a signal reached any process (they agree; see ``Runtime.should_stop``)."""
+    return rt.should_stop()
+
+
+def _count_steps_from(rt: Runtime, step: int) -> None:
+    """The runtime names steps by their number in the whole run (a resumed one too)."""
+    rt.state.step = step
+
+
+def _resume_micro_batches(rt: Runtime, at: Position) -> None:
+    """--oom auto: the pieces per micro-batch the resumed run had come to."""
+    if rt.micro_batches.active:
+        rt.micro_batches.split = max(rt.micro_batches.split, at.micro_batch_split)
+
+
+def _micro_batch_split(rt: Runtime) -> int:
+    """--oom auto's pieces per micro-batch now (saved with every checkpoint)."""
+    return rt.micro_batches.split
+
+
+def _summary(loop: LoopParts, state: LoopState, seconds: float) -> Summary:
+    """The run's figures, --oom auto's pieces among them."""
+    summary = Summary(
+        state.epoch + 1, state.step, seconds, state.train_loss, state.eval_loss,
+        state.eval_accuracy, state.samples / max(seconds, 1e-9),
+    )  # fmt: skip
+    summary.times = loop.clock.times(state.samples)
+    summary.epochs_trained = state.step / max(1, loop.steps_per_epoch)
+    summary.micro_batch_split = loop.rt.micro_batches.split
+    summary.halved_at_step = loop.rt.micro_batches.halved_at
+    summary.piece_samples = loop.rt.micro_batches.piece_samples
     return summary
 
 
 def _stop(
-    rt: Runtime,
-    saver: Checkpointer,
-    clock: LoopClock,
-    position: tuple[int, int, int],
-    loss_sum: Any = 0.0,
-    count: int = 0,
+    loop: LoopParts, position: tuple[int, int, int], loss_sum: Any = 0.0, count: int = 0
 ) -> NoReturn:
     """Stop on a signal: checkpoint ``position`` (epoch, batch, step), wait until it is
     complete, and raise ``Stopped`` (nothing is saved twice for one position)."""
     epoch, batch, step = position
+    saver, clock = loop.saver, loop.clock
     with clock.measure("checkpoint"):
         saver.save(epoch, batch, step, loss_sum, count)
         saver.wait()
     checkpoint = None
     if saver.run_dir is not None:
         checkpoint = saver.run_dir / CHECKPOINTS / checkpoint_name(step)
-    rt.exit_stopped(checkpoint, step)
+    loop.rt.exit_stopped(checkpoint, step)
 
 
 #: the evaluation batch is this many times the training batch
@@ -378,15 +452,6 @@ def _finish(rt: Runtime, cfg: TrainConfig, directory: Path, summary: Summary) ->
     payload = _config_payload(rt, cfg, "finished")
     payload["summary"] = dataclasses.asdict(summary)
     rundir.write_config(directory, payload)
-
-
-def _record(
-    epoch: int, step: int, split: str, loss: float, accuracy: float | None
-) -> dict[str, Any]:
-    record: dict[str, Any] = {"epoch": epoch, "step": step, "split": split, "loss": loss}
-    if accuracy is not None:
-        record["accuracy"] = accuracy
-    return record
 
 
 def _config_payload(rt: Runtime, cfg: TrainConfig, status: str) -> dict[str, Any]:

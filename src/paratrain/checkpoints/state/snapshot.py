@@ -178,6 +178,9 @@ class Checkpointer:
         }
         #: --oom auto's pieces per micro-batch now, saved with every checkpoint
         self.micro_batch_split: Callable[[], int] = lambda: start.micro_batch_split
+        #: called on every process before anything is saved (the runtime reads the last
+        #: step's checks there: nothing is saved from a step with a non-finite loss)
+        self.before_save: Callable[[], None] = lambda: None
         resumed = cfg.resume_from is not None
         self._last = (start.epoch, start.batch, start.step) if resumed else None
 
@@ -193,6 +196,7 @@ class Checkpointer:
         this process's running ``loss_sum`` and ``samples``) and every part's state. Returns
         the checkpoint on the main process (written in the background: complete once
         :meth:`wait` returns); saves nothing twice for the same position."""
+        self.before_save()
         if self.run_dir is None or (epoch, batch, step) == self._last:
             return None
         self._last = (epoch, batch, step)

@@ -97,15 +97,11 @@ def _weight_layers(model: nn.Module) -> int:
     )
 
 
-def export_model(
-    source: str | Path,
-    scheme: str = "int8",
-    out: str | Path | None = None,
-    overwrite: bool = False,
-    data_dir: str | None = None,
-    repeats: int = 20,
-) -> ExportReport:
-    """Quantize the model of the run at ``source``, write it to ``out``, measure both."""
+def _checked(
+    source: str | Path, scheme: str, out: str | Path | None, overwrite: bool, repeats: int
+) -> tuple[Path, Path]:
+    """The run directory and the file to write, or ``UserError`` naming the first thing
+    wrong; a missing extra is reported before any data is read."""
     if scheme not in SCHEMES:
         raise UserError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if repeats < 1:
@@ -121,7 +117,20 @@ def export_model(
     reason = int4_unsupported() if scheme == "int4" else None
     if reason is not None:
         raise UserError(reason)
-    import_torchao()  # a missing extra is reported before any data is read
+    import_torchao()
+    return run_dir, target
+
+
+def export_model(
+    source: str | Path,
+    scheme: str = "int8",
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    data_dir: str | None = None,
+    repeats: int = 20,
+) -> ExportReport:
+    """Quantize the model of the run at ``source``, write it to ``out``, measure both."""
+    run_dir, target = _checked(source, scheme, out, overwrite, repeats)
     try:
         config = dict(json.loads((run_dir / rundir.CONFIG).read_text(encoding="utf-8"))["config"])
     except (OSError, ValueError, KeyError, TypeError):

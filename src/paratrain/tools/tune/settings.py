@@ -115,13 +115,7 @@ def checked(settings: TuneSettings) -> TuneSettings:
         raise UserError(f"--mode {mode}: choose min or max")
     _one_of("--scheduler", settings.scheduler, SCHEDULERS)
     _one_of("--search", settings.search, SEARCHES)
-    for flag, value in (("--trials", settings.trials), ("--grace-period", settings.grace_period)):
-        if value < 1:
-            raise UserError(f"{flag} must be at least 1, got {value}")
-    if settings.reduction_factor < 2:
-        raise UserError(f"--reduction-factor must be at least 2, got {settings.reduction_factor}")
-    if settings.max_concurrent is not None and settings.max_concurrent < 1:
-        raise UserError(f"--max-concurrent must be at least 1, got {settings.max_concurrent}")
+    _check_counts(settings)
     settings = dataclasses.replace(settings, base=base, metric=metric, mode=mode)
     dimensions = settings.dimensions()
     if not dimensions:
@@ -135,6 +129,17 @@ def checked(settings: TuneSettings) -> TuneSettings:
         if importlib.util.find_spec("optuna") is None:
             raise UserError('--search optuna needs Optuna: pip install "paratrain[tune-optuna]"')
     return settings
+
+
+def _check_counts(settings: TuneSettings) -> None:
+    """Trials, the scheduler's grace period and reduction factor, trials at a time."""
+    for flag, value in (("--trials", settings.trials), ("--grace-period", settings.grace_period)):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    if settings.reduction_factor < 2:
+        raise UserError(f"--reduction-factor must be at least 2, got {settings.reduction_factor}")
+    if settings.max_concurrent is not None and settings.max_concurrent < 1:
+        raise UserError(f"--max-concurrent must be at least 1, got {settings.max_concurrent}")
 
 
 def _one_of(flag: str, value: str, valid: tuple[str, ...]) -> None:
