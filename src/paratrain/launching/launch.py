@@ -79,6 +79,7 @@ def launch(
     fn: Callable[..., T],
     *args: Any,
     environment: dict[str, str] | None = None,
+    hang_seconds: float | None = None,
 ) -> T | None:
     """Run ``fn(runtime, *args)`` in ``processes`` processes.
 
@@ -90,11 +91,13 @@ def launch(
     picklable too: define ``fn`` at the top level of a module, and guard the script's entry
     point with ``if __name__ == "__main__":``. ``environment``: variables the spawned
     processes get before they import anything (their threads, :mod:`paratrain.launching.threads`).
+    ``hang_seconds``: the hang watchdog's timeout (None: ``PARATRAIN_HANG_TIMEOUT`` or 600;
+    0: off).
     """
     if processes == 1 or launched():
         return fn(runtime, *args)
     with _environment(environment or {}):
-        return spawn(rebuild, fn, args, processes)
+        return spawn(rebuild, fn, args, processes, hang_seconds)
 
 
 @contextlib.contextmanager
@@ -121,7 +124,11 @@ def free_port() -> int:
 
 
 def spawn(
-    rebuild: Callable[[], ProcessRuntime], fn: Callable[..., T], args: tuple[Any, ...], nprocs: int
+    rebuild: Callable[[], ProcessRuntime],
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    nprocs: int,
+    hang_seconds: float | None = None,
 ) -> T:
     """Start ``nprocs`` processes running ``fn(rebuild(), *args)``."""
     try:
@@ -131,7 +138,7 @@ def spawn(
             "rt.launch starts new processes and pickles the function and its arguments: "
             f"define the function at the top level of a module ({exc})"
         ) from None
-    timeout = hang_timeout()
+    timeout = hang_timeout() if hang_seconds is None else hang_seconds or None
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as tmp:
         watchdog = Watchdog(Path(tmp), timeout) if timeout is not None else None
         context = mp.start_processes(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,9 +42,24 @@ class SpeedOptions:
     """``compile``: None (off), ``"auto"`` or a torch.compile mode; ``channels_last`` and
     ``fused_optimizer``: None (automatic), True or False."""
 
-    compile: str | None = None
-    channels_last: bool | None = None
-    fused_optimizer: bool | None = None
+    compile: str | None = field(
+        default=None,
+        metadata={
+            "help": "True, or a torch.compile mode (paratrain.runtime.compiling)",
+            "flag": "--compile",
+        },
+    )
+    channels_last: bool | None = field(
+        default=None,
+        metadata={
+            "help": "None: for a model with Conv2d on CUDA (paratrain.runtime.speed)",
+            "flag": "--channels-last",
+        },
+    )
+    fused_optimizer: bool | None = field(
+        default=None,
+        metadata={"help": "None: SGD/Adam/AdamW on CUDA (paratrain.runtime.speed)", "flag": None},
+    )
 
     @classmethod
     def of(

@@ -24,7 +24,9 @@ __all__ = ["Collective", "ReduceOp", "Strategy", "StrategyOptions", "iter_tensor
 
 @dataclass(frozen=True)
 class StrategyOptions:
-    """Settings only some strategies read (the others ignore them)."""
+    """What a built strategy is given besides its devices: the run's settings it applies,
+    and the options of its :class:`~paratrain.strategies.choices.StrategyChoice` (which
+    refuses, before anything is built, an option its strategy does not read)."""
 
     #: the run's precision (``32``, ``bf16``, ``fp16``): FSDP gathers parameters in it
     precision: str = "32"
@@ -89,10 +91,16 @@ class Strategy(ABC):
         """Why ``--oom auto`` cannot recover from running out of memory here, or None."""
         return None
 
+    @classmethod
+    def count_processes(cls, devices: list[torch.device]) -> int:
+        """How many processes a run of this strategy on ``devices`` needs, without building
+        it (the configuration asks before any process starts)."""
+        return 1
+
     @property
     def num_processes(self) -> int:
         """How many processes a run of this strategy needs (the launcher starts them)."""
-        return 1
+        return type(self).count_processes(self.devices)
 
     # -- inside each process ----------------------------------------------------------------
     def setup_process(self) -> None:  # noqa: B027  (optional hook)

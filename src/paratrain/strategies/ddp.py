@@ -110,9 +110,9 @@ class DDPStrategy(Strategy):
             )
         return devices
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.devices)
+    @classmethod
+    def count_processes(cls, devices: list[torch.device]) -> int:
+        return len(devices)
 
     @property
     def root_device(self) -> torch.device:

@@ -289,7 +289,6 @@ def _sets_up_out(nodes: Nodes) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from paratrain.strategies import build_strategy
     from paratrain.training import run_lock
     from paratrain.training.resume import resume_config
 
@@ -304,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = resume_config(args.resume, given_options(args))
     else:
         cfg = config_from_args(args)
-    processes = build_strategy(cfg.strategy, cfg.devices).num_processes
+    processes = cfg.runtime_config().num_processes
     nodes, tasks = slurm_nodes(args, processes)  # under srun, SLURM's environment decides
     # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
     # of a launcher that started every process with this command (torchrun, srun).
