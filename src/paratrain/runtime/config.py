@@ -17,27 +17,17 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paratrain.devices.precision import normalize_precision
+from paratrain.launching.watchdog import TIMEOUT_VARIABLE
 from paratrain.runtime.batching import check_batch_size_per
-from paratrain.runtime.oom import check_oom_mode
-from paratrain.runtime.speed import SpeedOptions
-from paratrain.strategies import (
-    AUTO,
-    FLAT_OWNERS,
-    Auto,
-    StrategyChoice,
-    StrategyOptions,
-    choose,
-    count_processes,
-    flat_default,
-    options_for,
-    resolved_name,
-    strategy_names,
-)
 from paratrain.utils.errors import UserError
 
+if TYPE_CHECKING:  # `paratrain train --help` reads the declarations without importing torch
+    from paratrain.runtime.speed import SpeedOptions
+    from paratrain.strategies import StrategyChoice, StrategyOptions
+
+AUTO = "auto"
 #: defaults for ``strategy="auto"`` and ``devices=None``, set by `paratrain run`
 STRATEGY_VARIABLE = "PARATRAIN_STRATEGY"
 DEVICES_VARIABLE = "PARATRAIN_DEVICES"
@@ -53,22 +43,50 @@ def option(
     flag: str | None = None,
     check: Callable[[Any], Any] | None = None,
     factory: Callable[[], Any] | None = None,
+    cli: dict[str, Any] | None = None,
 ) -> Any:
     """Declare one option of the runtime: ``help`` is its documentation, ``flag`` its
     option on `paratrain train` (None: none), ``check`` returns the value normalized or
-    raises ``UserError``."""
-    metadata = {"help": help, "flag": flag, "check": check}
+    raises ``UserError``; ``cli``: the flag's argparse keywords, where `paratrain train`
+    (and `tune`) generate it from this declaration (:func:`command_line_options`)."""
+    metadata = {"help": help, "flag": flag, "check": check, "cli": cli}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
 def _strategy(value: str | StrategyChoice) -> StrategyChoice:
+    from paratrain.strategies import choose, strategy_names
+
     choice = choose(value) if isinstance(value, str) else value
     if choice.name not in strategy_names():
         valid = ", ".join(strategy_names())
         raise UserError(f"unknown strategy {choice.name!r}; valid strategies: {valid}")
     return choice
+
+
+def _auto() -> StrategyChoice:
+    from paratrain.strategies import Auto
+
+    return Auto()
+
+
+def _speed() -> SpeedOptions:
+    from paratrain.runtime.speed import SpeedOptions
+
+    return SpeedOptions()
+
+
+def _precision(name: str) -> str:
+    from paratrain.devices.precision import normalize_precision
+
+    return normalize_precision(name)
+
+
+def _oom(mode: str) -> str:
+    from paratrain.runtime.oom import check_oom_mode
+
+    return check_oom_mode(mode)
 
 
 def _devices(value: str | int | None) -> str | None:
@@ -100,9 +118,13 @@ def nonfinite_from_env() -> str:
     return policy
 
 
-def _hang_timeout(seconds: float | None) -> float | None:
+def check_hang_timeout(seconds: float | None) -> float | None:
+    """``seconds`` if it is a hang timeout (0: off; None: the default), else ``UserError``."""
     if seconds is not None and not (seconds >= 0 and math.isfinite(seconds)):
-        raise UserError(f"--hang-timeout {seconds} must be a number of seconds, 0 for off")
+        raise UserError(
+            f"{TIMEOUT_VARIABLE}={str(seconds)!r} (--hang-timeout) must be a number of "
+            "seconds, 0 for off"
+        )
     return seconds
 
 
@@ -112,7 +134,7 @@ class RuntimeConfig:
     built (before any process starts)."""
 
     strategy: StrategyChoice = option(  # noqa: RUF009  (option() is a dataclasses.field)
-        factory=Auto,
+        factory=_auto,
         help="a strategy's name (``paratrain.strategies()``) or its choice with the options only "
         'it reads, e.g. ``paratrain.strategies.FSDP(blocks=("Block",))`` or '
         '``paratrain.strategies.Pipeline(split=..., schedule="1f1b", microbatches=4)``; '
@@ -126,7 +148,7 @@ class RuntimeConfig:
         flag="--devices",
         check=_devices,
     )
-    precision: str = option("32", "32, bf16 or fp16", flag="--precision", check=normalize_precision)
+    precision: str = option("32", "32, bf16 or fp16", flag="--precision", check=_precision)
     seed: int | None = option(
         None,
         "None leaves every random generator as the script set it, and loaders draw their "
@@ -151,7 +173,7 @@ class RuntimeConfig:
         flag="--deterministic",
     )
     #: compile, channels_last, fused_optimizer (declared in paratrain.runtime.speed)
-    speed: SpeedOptions = field(default_factory=SpeedOptions)
+    speed: SpeedOptions = field(default_factory=_speed)
     batch_size_per: str = option(
         "global",
         "what a loader's batch_size means: the global batch (every layout the same) or each "
@@ -171,7 +193,7 @@ class RuntimeConfig:
         "auto: a micro-batch that runs out of memory in rt.forward_backward is redone in "
         "smaller pieces, the same step (paratrain.runtime.oom); off: the error is raised",
         flag="--oom",
-        check=check_oom_mode,
+        check=_oom,
     )
     activation_checkpointing: bool = option(
         False,
@@ -192,7 +214,7 @@ class RuntimeConfig:
         "rt.launch stops the run when a process makes no progress for this many seconds "
         "(default: PARATRAIN_HANG_TIMEOUT, else 600; 0: off; paratrain.launching.watchdog)",
         flag="--hang-timeout",
-        check=_hang_timeout,
+        check=check_hang_timeout,
     )
 
     def __post_init__(self) -> None:
@@ -216,6 +238,9 @@ class RuntimeConfig:
     def from_keywords(cls, **given: Any) -> RuntimeConfig:
         """The configuration of ``Runtime(...)``'s keywords, flat ones included, checked
         (the environment's `paratrain run` choices aside)."""
+        from paratrain.runtime.speed import SpeedOptions
+        from paratrain.strategies import FLAT_OWNERS, choose
+
         strategy = given.pop("strategy", AUTO)
         flat = {name: given.pop(name) for name in FLAT_OWNERS if name in given}
         speed = {
@@ -229,16 +254,22 @@ class RuntimeConfig:
     def num_processes(self) -> int:
         """How many processes this runtime runs in (``rt.launch`` starts them), without
         building its strategy."""
+        from paratrain.strategies import count_processes
+
         return count_processes(self.strategy, self.devices)
 
     @property
     def strategy_name(self) -> str:
         """The strategy this configuration runs (``auto`` resolved on this machine)."""
+        from paratrain.strategies import resolved_name
+
         return resolved_name(self.strategy, self.devices)
 
     @property
     def options(self) -> StrategyOptions:
         """What the strategy is built with: its choice's options, the run's precision."""
+        from paratrain.strategies import options_for
+
         return options_for(self.strategy, self.precision)
 
     def validate(self) -> RuntimeConfig:
@@ -250,6 +281,9 @@ class RuntimeConfig:
 def runtime_keywords() -> Iterator[tuple[str, Any, str]]:
     """``Runtime(...)``'s keywords: name, default and help text, in the declarations'
     order (nested ones and the strategies' flat options in place)."""
+    from paratrain.runtime.speed import SpeedOptions
+    from paratrain.strategies import FLAT_OWNERS, flat_default
+
     for spec in dataclasses.fields(RuntimeConfig):
         if spec.name == "speed":
             for inner in dataclasses.fields(SpeedOptions):
@@ -261,6 +295,16 @@ def runtime_keywords() -> Iterator[tuple[str, Any, str]]:
             for flat, owner in FLAT_OWNERS.items():
                 help_text = f"the same as ``strategy={owner.__name__}({owner.flat[flat]}=...)``"
                 yield flat, flat_default(flat), help_text
+
+
+def command_line_options() -> Iterator[tuple[str, dict[str, Any]]]:
+    """The flags generated from the declarations that give their argparse form: the flag
+    and ``add_argument``'s keywords (an option left out stays None)."""
+    for spec in dataclasses.fields(RuntimeConfig):
+        cli = spec.metadata.get("cli")
+        if cli is not None:
+            help_text = spec.metadata["help"].replace("%", "%%")
+            yield spec.metadata["flag"], {"dest": spec.name, "help": help_text, **cli}
 
 
 def runtime_help() -> str:

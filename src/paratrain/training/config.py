@@ -103,6 +103,10 @@ class TrainConfig:
     mlflow: str | None = None
     #: each block recomputes its activations in the backward: less memory, more time
     activation_checkpointing: bool = False
+    #: NaN or infinite losses: error, skip (--skip-nonfinite) or off; None: PARATRAIN_NONFINITE
+    nonfinite: str | None = None
+    #: seconds without progress before the run is stopped (--hang-timeout); None: 600
+    hang_timeout: float | None = None
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.

@@ -53,8 +53,12 @@ CHANGEABLE = frozenset(
         "download",
         "tensorboard",
         "threads",  # the last bits of what follows, not what was trained (threads.py)
+        "nonfinite",  # how this command watches the run, not what is trained
+        "hang_timeout",
     }
 )
+#: options of the command that continues a run, not inherited from the run's first command
+PER_COMMAND = ("nonfinite", "hang_timeout")
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -137,6 +141,8 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
         )
     changes = {name: value for name, value in given.items() if name in CHANGEABLE}
     changes["progress"] = given.get("progress", True)  # not inherited from the first run
+    for name in PER_COMMAND:
+        changes[name] = given.get(name)
     if "strategy" in given and "devices" not in given:
         changes["devices"] = None  # the run's devices were meant for its strategy
     if "strategy" in given:  # the options of the run's strategy do not apply to another
