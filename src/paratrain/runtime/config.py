@@ -217,6 +217,17 @@ class RuntimeConfig:
         check=check_hang_timeout,
     )
 
+    collective_check: bool = option(
+        True,
+        "processes that disagree about the next collective (a half-ported script: rt.save "
+        "under a rank guard, loops of unequal length) are stopped within a minute with one "
+        "message instead of hanging; False (--no-collective-check): no check and no "
+        "background thread, for the last microseconds of each collective "
+        "(paratrain.distributed.collective_order)",
+        flag="--no-collective-check",
+        cli={"action": "store_false", "default": None},
+    )
+
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
             check = spec.metadata.get("check")
@@ -270,7 +281,7 @@ class RuntimeConfig:
         """What the strategy is built with: its choice's options, the run's precision."""
         from paratrain.strategies import options_for
 
-        return options_for(self.strategy, self.precision)
+        return options_for(self.strategy, self.precision, collective_check=self.collective_check)
 
     def validate(self) -> RuntimeConfig:
         """Checks the strategy and devices too (the options are checked when built)."""

@@ -72,6 +72,7 @@ class Runtime:
         activation_checkpointing: bool = False,
         nonfinite: str | None = None,
         hang_timeout: float | None = None,
+        collective_check: bool = True,
     ) -> None:
         # the keywords, each declared once in RuntimeConfig (the docstring, set below this
         # class, lists them from their declarations)

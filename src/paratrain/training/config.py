@@ -107,6 +107,8 @@ class TrainConfig:
     nonfinite: str | None = None
     #: seconds without progress before the run is stopped (--hang-timeout); None: 600
     hang_timeout: float | None = None
+    #: processes that disagree about the next collective are stopped (--no-collective-check)
+    collective_check: bool = True
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.

@@ -55,6 +55,7 @@ CHANGEABLE = frozenset(
         "threads",  # the last bits of what follows, not what was trained (threads.py)
         "nonfinite",  # how this command watches the run, not what is trained
         "hang_timeout",
+        "collective_check",
     }
 )
 #: options of the command that continues a run, not inherited from the run's first command
