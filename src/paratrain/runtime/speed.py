@@ -74,7 +74,9 @@ class SpeedOptions:
 
 def check_speed(strategy: Strategy, options: SpeedOptions) -> None:
     """``UserError`` for options ``strategy`` cannot honour, before any process starts."""
-    check_compile(strategy.name, strategy.root_device, options.compile)
+    check_compile(
+        strategy.compile_refused(), strategy.compile_mode, strategy.root_device, options.compile
+    )
 
 
 class Speed:
@@ -85,7 +87,9 @@ class Speed:
         self.options = options
         self.strategy = strategy
         self.mode = (
-            None if options.compile is None else resolve_mode(options.compile, strategy.name)
+            None
+            if options.compile is None
+            else resolve_mode(options.compile, strategy.compile_mode)
         )
         self.channels_last = False
         self.fused = "no optimizer"
@@ -118,8 +122,8 @@ class Speed:
                 autocast=autocast or contextlib.nullcontext,
                 compile_time=compile_counts,
             )
-            if self.strategy.name == "fsdp":  # eager autograd.grad would run its reduce-scatter
-                self.check.skip("under fsdp the eager pass would run the sharding hooks too")
+            if self.strategy.compile_check_refused is not None:
+                self.check.skip(self.strategy.compile_check_refused)
         if self.channels_last:
             wrapped = memory_format.convert_inputs(wrapped)
         return wrapped

@@ -67,6 +67,10 @@ class Strategy(ABC):
     #: a model built on the meta device is materialised by ``wrap_model``, only this
     #: process's part (``meta_init``); the others get it whole before ``place_model``
     builds_parts: ClassVar[bool] = False
+    #: the torch.compile mode ``--compile`` (``auto``) means here (paratrain.runtime.compiling)
+    compile_mode: ClassVar[str] = "default"
+    #: why ``--compile``'s first-step check cannot run its eager pass here, or None
+    compile_check_refused: ClassVar[str | None] = None
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices
@@ -88,6 +92,10 @@ class Strategy(ABC):
 
     def precision_refused(self, precision: str) -> str | None:
         """Why this strategy cannot train in ``precision`` here, or None."""
+        return None
+
+    def compile_refused(self) -> str | None:
+        """Why ``torch.compile`` cannot run this strategy's model, or None."""
         return None
 
     def oom_refused(self) -> str | None:
