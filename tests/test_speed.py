@@ -21,6 +21,7 @@ from paratrain.runtime.fused import apply_fused
 from paratrain.runtime.memory_format import wants_channels_last
 from paratrain.runtime.optim import RuntimeOptimizer
 from paratrain.runtime.step_state import StepState
+from paratrain.strategies import strategy_class
 from paratrain.utils.errors import UserError
 
 
@@ -44,10 +45,14 @@ def test_compile_settings_and_modes() -> None:
     assert normalize_compile("max-autotune") == "max-autotune"
     with pytest.raises(UserError, match="valid modes: default, reduce-overhead"):
         normalize_compile("fast")
-    assert resolve_mode("auto", "cuda") == "reduce-overhead"  # launch-bound single GPU
-    assert resolve_mode("auto", "cpu") == "default"
-    assert resolve_mode("auto", "ddp") == "default"
-    assert resolve_mode("max-autotune", "cpu") == "max-autotune"
+
+    def mode(name: str) -> str:
+        return strategy_class(name).compile_mode
+
+    assert resolve_mode("auto", mode("cuda")) == "reduce-overhead"  # launch-bound single GPU
+    assert resolve_mode("auto", mode("cpu")) == "default"
+    assert resolve_mode("auto", mode("ddp")) == "default"
+    assert resolve_mode("max-autotune", mode("cpu")) == "max-autotune"
 
 
 @pytest.mark.parametrize(

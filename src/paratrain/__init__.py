@@ -45,11 +45,33 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-def strategies() -> list[str]:
-    """The registered strategy names, ``auto`` first."""
-    from paratrain.strategies import strategy_names
+class _Strategies:
+    """``paratrain.strategies()``: the registered strategy names, ``auto`` first; and the
+    strategies with their options, ``paratrain.strategies.FSDP(blocks=("Block",))``
+    (:mod:`paratrain.strategies.choices`), imported on first use."""
 
-    return strategy_names()
+    def __call__(self) -> list[str]:
+        from paratrain.strategies import strategy_names
+
+        return strategy_names()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        module = importlib.import_module("paratrain.strategies")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"paratrain.strategies has no attribute {name!r}") from None
+
+    def __dir__(self) -> list[str]:
+        return list(importlib.import_module("paratrain.strategies").__all__)
+
+    def __repr__(self) -> str:
+        return "<paratrain.strategies>"
+
+
+strategies = _Strategies()
 
 
 class _Package(types.ModuleType):

@@ -76,6 +76,7 @@ def launch(
     fn: Callable[..., T],
     *args: Any,
     environment: dict[str, str] | None = None,
+    hang_seconds: float | None = None,
 ) -> T | None:
     """Run ``fn(runtime, *args)`` in ``processes`` processes.
 
@@ -87,11 +88,13 @@ def launch(
     picklable too: define ``fn`` at the top level of a module, and guard the script's entry
     point with ``if __name__ == "__main__":``. ``environment``: variables the spawned
     processes get before they import anything (their threads, :mod:`paratrain.launching.threads`).
+    ``hang_seconds``: the hang watchdog's timeout (None: ``PARATRAIN_HANG_TIMEOUT`` or 600;
+    0: off).
     """
     if processes == 1 or launched():
         return fn(runtime, *args)
     with exported(environment or {}):
-        return spawn(rebuild, fn, args, processes)
+        return spawn(rebuild, fn, args, processes, hang_seconds)
 
 
 def free_port() -> int:
@@ -102,7 +105,11 @@ def free_port() -> int:
 
 
 def spawn(
-    rebuild: Callable[[], ProcessRuntime], fn: Callable[..., T], args: tuple[Any, ...], nprocs: int
+    rebuild: Callable[[], ProcessRuntime],
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    nprocs: int,
+    hang_seconds: float | None = None,
 ) -> T:
     """Start ``nprocs`` processes running ``fn(rebuild(), *args)``."""
     try:
@@ -112,15 +119,16 @@ def spawn(
             "rt.launch starts new processes and pickles the function and its arguments: "
             f"define the function at the top level of a module ({exc})"
         ) from None
-    result: T = SpawnLauncher(nprocs).start(rebuild, fn, args)
+    result: T = SpawnLauncher(nprocs, hang_seconds).start(rebuild, fn, args)
     return result
 
 
 class SpawnLauncher(Launcher):
     """``torch.multiprocessing`` spawns the processes of one machine (``rt.launch``)."""
 
-    def __init__(self, nprocs: int) -> None:
+    def __init__(self, nprocs: int, hang_seconds: float | None = None) -> None:
         self.nprocs = nprocs
+        self.hang_seconds = hang_seconds
 
     def rank_environment(self, rank: int, port: int) -> dict[str, str]:
         """What rank ``rank`` finds in its environment: what torchrun would give it, and

@@ -40,6 +40,9 @@ class Launcher(ABC):
     reports: ReportFolder
     #: the hang watchdog, None when ``--hang-timeout 0``
     watchdog: Watchdog | None
+    #: the watchdog's timeout given by the caller (None: ``PARATRAIN_HANG_TIMEOUT`` or the
+    #: default; 0: off)
+    hang_seconds: float | None = None
 
     @abstractmethod
     def start(self, *args: Any) -> Any:
@@ -48,7 +51,8 @@ class Launcher(ABC):
     @contextlib.contextmanager
     def folder(self, prefix: str) -> Iterator[Path]:
         """The run's folder, removed afterwards."""
-        timeout = hang_timeout()
+        given = self.hang_seconds
+        timeout = hang_timeout() if given is None else given or None
         with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             self.reports = ReportFolder(tmp)
             self.watchdog = Watchdog(Path(tmp), timeout) if timeout is not None else None

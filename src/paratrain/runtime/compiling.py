@@ -31,7 +31,6 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 #: what ``compile=True`` stands for until the strategy is known
 AUTO = "auto"
 #: strategies whose model runs in threads (DataParallel replicas): torch.compile refuses
-_THREADED = frozenset({"dp", "dp-balanced"})
 
 
 #: ``"auto"``, and an error instead of a fall back when the compile check disagrees
@@ -51,31 +50,24 @@ def normalize_compile(value: bool | str | None) -> str | None:
     raise UserError(f"unknown compile mode {value!r}; valid modes: {valid}")
 
 
-def resolve_mode(setting: str, strategy: str) -> str:
-    """The torch.compile mode ``setting`` (``"auto"``, ``"strict"`` or a mode) means for
-    ``strategy``."""
+def resolve_mode(setting: str, strategy_mode: str) -> str:
+    """The torch.compile mode ``setting`` (``"auto"``, ``"strict"`` or a mode) means for a
+    strategy whose own choice is ``strategy_mode`` (``Strategy.compile_mode``)."""
     if setting not in (AUTO, STRICT):
         return setting
-    return "reduce-overhead" if strategy == "cuda" else "default"
+    return strategy_mode
 
 
-def check_compile(strategy: str, device: torch.device, setting: str | None) -> None:
-    """Raise a one-line ``UserError`` where ``torch.compile`` cannot run ``strategy`` (whose
-    processes each train on ``device``)."""
+def check_compile(
+    refused: str | None, mode: str, device: torch.device, setting: str | None
+) -> None:
+    """Raise a one-line ``UserError`` where ``torch.compile`` cannot run: the strategy
+    ``refused`` it (its reason), or its processes' ``device`` cannot in ``mode``."""
     if setting is None:
         return
-    if strategy in _THREADED:
-        raise UserError(
-            f"--compile does not work with --strategy {strategy}: it runs the model in "
-            "threads, which torch.compile does not support; use --strategy ddp (or cuda, cpu), "
-            "or drop --compile"
-        )
-    if strategy == "pipeline":
-        raise UserError(
-            "--compile does not work with --strategy pipeline yet: its stages run inside "
-            "torch.distributed.pipelining's schedule; drop --compile"
-        )
-    reason = _unsupported_reason(device, resolve_mode(setting, strategy))
+    if refused is not None:
+        raise UserError(refused)
+    reason = _unsupported_reason(device, resolve_mode(setting, mode))
     if reason is not None:
         raise UserError(f"--compile on {device.type}: {reason}; drop --compile")
 

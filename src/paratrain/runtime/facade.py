@@ -29,13 +29,18 @@ from paratrain.distributed.collective import ReduceOp
 from paratrain.launching import heartbeat
 from paratrain.launching.launch import launch
 from paratrain.launching.threads import ThreadChoice
-from paratrain.runtime.config import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
+from paratrain.runtime.config import (
+    DEVICES_VARIABLE,
+    STRATEGY_VARIABLE,
+    RuntimeConfig,
+    runtime_help,
+)
 from paratrain.runtime.determinism import make_deterministic
 from paratrain.runtime.groups import MethodGroups
 from paratrain.runtime.parts import assemble, describe
 from paratrain.runtime.seeding import seed_everything
 from paratrain.runtime.uneven import join_uneven
-from paratrain.strategies import Strategy
+from paratrain.strategies import Strategy, StrategyChoice
 
 T = TypeVar("T")
 
@@ -47,7 +52,7 @@ class Runtime:
 
     def __init__(
         self,
-        strategy: str = "auto",
+        strategy: str | StrategyChoice = "auto",
         devices: str | int | None = None,
         precision: str = "32",
         seed: int | None = None,
@@ -65,59 +70,46 @@ class Runtime:
         threads: int | None = None,
         oom: str = "off",
         activation_checkpointing: bool = False,
+        nonfinite: str | None = None,
+        hang_timeout: float | None = None,
+        collective_check: bool = True,
     ) -> None:
-        """``seed``: None (default) leaves every random generator as the script set it, and
-        loaders draw their order from them as torch's DataLoader does; an int seeds Python,
-        NumPy and torch with it, and loaders shuffle with their own generator seeded with
-        ``seed + epoch`` (see :mod:`paratrain.data.loaders`).
-        ``deterministic``: reproducible on GPUs, and the CPU thread count of a quiet machine
-        whatever the load (see :mod:`paratrain.runtime.determinism`);
-        ``compile``: True, or a torch.compile mode (see :mod:`paratrain.runtime.compiling`);
-        ``channels_last`` (None: for a model with Conv2d on CUDA) and ``fused_optimizer``
-        (None: SGD/Adam/AdamW on CUDA): see :mod:`paratrain.runtime.speed`; ``fsdp_blocks``: class
-        names (``"TransformerBlock"``) or module names of the blocks ``strategy="fsdp"``
-        shards as one unit each (default: the model's repeated layers); ``pipeline_split``
-        (the modules that start stages 2, 3, ...; default: balanced by parameter count),
-        ``pipeline_schedule`` ("1f1b" or "gpipe") and ``pipeline_microbatches``: see
-        :mod:`paratrain.strategies.pipeline`; ``threads``: intra-op threads of each
-        process (default: the cores other work leaves free when it starts, see
-        :mod:`paratrain.launching.threads`);
-        ``oom="auto"``: a micro-batch that runs out of memory in ``rt.forward_backward`` is
-        redone in smaller pieces, the same step (see :mod:`paratrain.runtime.oom`);
-        ``activation_checkpointing``: each block recomputes its activations in the backward
-        (see :mod:`paratrain.runtime.activation_checkpointing`)."""
-        if deterministic:  # first: before anything can start cuBLAS
+        # the keywords, each declared once in RuntimeConfig (the docstring, set below this
+        # class, lists them from their declarations)
+        arguments = {name: value for name, value in locals().items() if name != "self"}
+        self._start(RuntimeConfig.of(**arguments))
+
+    def _start(self, config: RuntimeConfig) -> None:
+        if config.deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
-        self.config = RuntimeConfig.of(
-            strategy, devices, precision, seed, accumulate, sync_batchnorm, deterministic,
-            compile, channels_last, fused_optimizer, batch_size_per, fsdp_blocks,
-            pipeline_split, pipeline_schedule, pipeline_microbatches, threads, oom,
-            activation_checkpointing,
-        )  # fmt: skip
-        parts = assemble(self.config)
+        self.config = config
+        parts = assemble(config)
         self.strategy: Strategy = parts.strategy
         #: this process's intra-op threads, and those of the processes it starts
         self.threads: ThreadChoice = parts.threads
         self.speed = parts.speed
         self.precision = parts.precision
-        self.seed = seed
+        self.seed = config.seed
         #: where training stands: optimizer steps, the accumulation group, the micro-batch
         #: in hand, the step's agreement (paratrain.runtime.step_state)
         self.state = parts.state
-        #: the policy for non-finite losses (--skip-nonfinite, PARATRAIN_NONFINITE)
+        #: the policy for non-finite losses (the nonfinite option, --skip-nonfinite)
         self.nonfinite = parts.nonfinite
         #: --oom auto: how many pieces each micro-batch is cut into
         self.micro_batches = parts.micro_batches
         self.oom_refused = parts.oom_refused
-        self.init_seed: int | None = seed
+        self.init_seed: int | None = config.seed
         self._connected = False
         self._groups = MethodGroups.of(self)  # what this facade delegates to
-        if seed is not None:  # last: nothing above draws random numbers
-            seed_everything(seed)
+        if config.seed is not None:  # last: nothing above draws random numbers
+            seed_everything(config.seed)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> Runtime:
-        return cls(**config.runtime_arguments())
+        """The runtime of ``config`` (spawned processes rebuild theirs from the parent's)."""
+        rt = cls.__new__(cls)
+        rt._start(config)
+        return rt
 
     @property
     def accumulate_steps(self) -> int:
@@ -166,7 +158,9 @@ class Runtime:
         """
         rebuild = functools.partial(Runtime.from_config, self.config)
         env = self.threads.child_environment()
-        return launch(self, self.strategy.num_processes, rebuild, fn, *args, environment=env)
+        processes = self.strategy.num_processes
+        hang = self.config.hang_timeout
+        return launch(self, processes, rebuild, fn, *args, environment=env, hang_seconds=hang)
 
     # -- placing things ----------------------------------------------------------------------
     def setup(
@@ -340,3 +334,6 @@ class Runtime:
 
     def describe(self) -> dict[str, Any]:
         return describe(self)
+
+
+Runtime.__init__.__doc__ = runtime_help()

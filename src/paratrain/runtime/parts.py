@@ -80,7 +80,7 @@ def assemble(config: RuntimeConfig) -> RuntimeParts:
         speed=Speed(config.speed, strategy),
         precision=Precision(config.precision, strategy.root_device),
         state=StepState(config.accumulate),
-        nonfinite=NonFiniteCheck(),
+        nonfinite=NonFiniteCheck(config.nonfinite),
         micro_batches=MicroBatches("off" if oom_refused else config.oom),
         oom_refused=oom_refused,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,9 +42,24 @@ class SpeedOptions:
     """``compile``: None (off), ``"auto"`` or a torch.compile mode; ``channels_last`` and
     ``fused_optimizer``: None (automatic), True or False."""
 
-    compile: str | None = None
-    channels_last: bool | None = None
-    fused_optimizer: bool | None = None
+    compile: str | None = field(
+        default=None,
+        metadata={
+            "help": "True, or a torch.compile mode (paratrain.runtime.compiling)",
+            "flag": "--compile",
+        },
+    )
+    channels_last: bool | None = field(
+        default=None,
+        metadata={
+            "help": "None: for a model with Conv2d on CUDA (paratrain.runtime.speed)",
+            "flag": "--channels-last",
+        },
+    )
+    fused_optimizer: bool | None = field(
+        default=None,
+        metadata={"help": "None: SGD/Adam/AdamW on CUDA (paratrain.runtime.speed)", "flag": None},
+    )
 
     @classmethod
     def of(
@@ -59,7 +74,9 @@ class SpeedOptions:
 
 def check_speed(strategy: Strategy, options: SpeedOptions) -> None:
     """``UserError`` for options ``strategy`` cannot honour, before any process starts."""
-    check_compile(strategy.name, strategy.root_device, options.compile)
+    check_compile(
+        strategy.compile_refused(), strategy.compile_mode, strategy.root_device, options.compile
+    )
 
 
 class Speed:
@@ -70,7 +87,9 @@ class Speed:
         self.options = options
         self.strategy = strategy
         self.mode = (
-            None if options.compile is None else resolve_mode(options.compile, strategy.name)
+            None
+            if options.compile is None
+            else resolve_mode(options.compile, strategy.compile_mode)
         )
         self.channels_last = False
         self.fused = "no optimizer"
@@ -103,8 +122,8 @@ class Speed:
                 autocast=autocast or contextlib.nullcontext,
                 compile_time=compile_counts,
             )
-            if self.strategy.name == "fsdp":  # eager autograd.grad would run its reduce-scatter
-                self.check.skip("under fsdp the eager pass would run the sharding hooks too")
+            if self.strategy.compile_check_refused is not None:
+                self.check.skip(self.strategy.compile_check_refused)
         if self.channels_last:
             wrapped = memory_format.convert_inputs(wrapped)
         return wrapped

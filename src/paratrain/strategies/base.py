@@ -24,7 +24,9 @@ __all__ = ["Collective", "ReduceOp", "Strategy", "StrategyOptions", "iter_tensor
 
 @dataclass(frozen=True)
 class StrategyOptions:
-    """Settings only some strategies read (the others ignore them)."""
+    """What a built strategy is given besides its devices: the run's settings it applies,
+    and the options of its :class:`~paratrain.strategies.choices.StrategyChoice` (which
+    refuses, before anything is built, an option its strategy does not read)."""
 
     #: the run's precision (``32``, ``bf16``, ``fp16``): FSDP gathers parameters in it
     precision: str = "32"
@@ -36,6 +38,9 @@ class StrategyOptions:
     pipeline_schedule: str = "1f1b"
     #: pipeline: micro-batches per batch (fewer where the batch does not split evenly)
     pipeline_microbatches: int = 4
+    #: the processes compare their collectives when one waits long in one
+    #: (paratrain.distributed.collective_order); False: off
+    collective_check: bool = True
 
 
 class Strategy(ABC):
@@ -62,6 +67,10 @@ class Strategy(ABC):
     #: a model built on the meta device is materialised by ``wrap_model``, only this
     #: process's part (``meta_init``); the others get it whole before ``place_model``
     builds_parts: ClassVar[bool] = False
+    #: the torch.compile mode ``--compile`` (``auto``) means here (paratrain.runtime.compiling)
+    compile_mode: ClassVar[str] = "default"
+    #: why ``--compile``'s first-step check cannot run its eager pass here, or None
+    compile_check_refused: ClassVar[str | None] = None
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         self.devices = devices
@@ -85,14 +94,24 @@ class Strategy(ABC):
         """Why this strategy cannot train in ``precision`` here, or None."""
         return None
 
+    def compile_refused(self) -> str | None:
+        """Why ``torch.compile`` cannot run this strategy's model, or None."""
+        return None
+
     def oom_refused(self) -> str | None:
         """Why ``--oom auto`` cannot recover from running out of memory here, or None."""
         return None
 
+    @classmethod
+    def count_processes(cls, devices: list[torch.device]) -> int:
+        """How many processes a run of this strategy on ``devices`` needs, without building
+        it (the configuration asks before any process starts)."""
+        return 1
+
     @property
     def num_processes(self) -> int:
         """How many processes a run of this strategy needs (the launcher starts them)."""
-        return 1
+        return type(self).count_processes(self.devices)
 
     # -- inside each process ----------------------------------------------------------------
     def setup_process(self) -> None:  # noqa: B027  (optional hook)

@@ -13,6 +13,7 @@ from paratrain.utils.catalog import STRATEGIES
 @register
 class CUDAStrategy(SingleDeviceStrategy):
     name = "cuda"
+    compile_mode = "reduce-overhead"  # one launch-bound GPU: CUDA graphs pay
     description = STRATEGIES["cuda"]
     device_type = "cuda"
 

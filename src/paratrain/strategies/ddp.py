@@ -110,9 +110,9 @@ class DDPStrategy(Strategy):
             )
         return devices
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.devices)
+    @classmethod
+    def count_processes(cls, devices: list[torch.device]) -> int:
+        return len(devices)
 
     @property
     def root_device(self) -> torch.device:
@@ -130,7 +130,8 @@ class DDPStrategy(Strategy):
         self.collective = TorchCollective(
             dist.get_rank(), self.local_rank, dist.get_world_size(), self.root_device
         )
-        collective_order.start(self.collective.rank, self.collective.world_size)
+        if self.options.collective_check:
+            collective_order.start(self.collective.rank, self.collective.world_size)
 
     def _join(self) -> None:
         if launched():

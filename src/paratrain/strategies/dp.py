@@ -116,6 +116,13 @@ class DataParallelStrategy(Strategy):
     allows_activation_checkpointing = False
     description = STRATEGIES["dp"]
 
+    def compile_refused(self) -> str | None:
+        return (
+            f"--compile does not work with --strategy {self.name}: it runs the model in "
+            "threads, which torch.compile does not support; use --strategy ddp (or cuda, "
+            "cpu), or drop --compile"
+        )
+
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)
         self.meter = GatherMeter()

@@ -187,6 +187,13 @@ class BalancedDataParallelStrategy(Strategy):
     description = STRATEGIES["dp-balanced"]
     needs_loss_fn = True
 
+    def compile_refused(self) -> str | None:
+        return (
+            f"--compile does not work with --strategy {self.name}: it runs the model in "
+            "threads, which torch.compile does not support; use --strategy ddp (or cuda, "
+            "cpu), or drop --compile"
+        )
+
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)
         self.meter = GatherMeter()

@@ -46,6 +46,8 @@ class FSDPStrategy(DDPStrategy):
     pieces_sync_each = True
     builds_parts = True
     description = STRATEGIES["fsdp"]
+    # eager autograd.grad would run its reduce-scatter
+    compile_check_refused = "under fsdp the eager pass would run the sharding hooks too"
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:
         super().__init__(devices, options)

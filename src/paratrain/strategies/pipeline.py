@@ -62,6 +62,12 @@ class PipelineStrategy(DDPStrategy):
             )
         self._stage_parameters: list[nn.Parameter] = []
 
+    def compile_refused(self) -> str | None:
+        return (
+            "--compile does not work with --strategy pipeline yet: its stages run inside "
+            "torch.distributed.pipelining's schedule; drop --compile"
+        )
+
     def precision_refused(self, precision: str) -> str | None:
         if precision == "fp16":
             # GradScaler skips a step on overflow per process; stages would then disagree.

@@ -8,14 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from paratrain.runtime.batching import check_batch_size_per
 from paratrain.utils.errors import UserError
 
 if TYPE_CHECKING:  # the command line builds its parsers from TrainConfig without torch
     from torch import nn
 
-    from paratrain.runtime.facade import RuntimeConfig
-    from paratrain.runtime.speed import SpeedOptions
+    from paratrain.runtime.config import RuntimeConfig
 
 DEFAULT_RECIPE = "digits"
 
@@ -105,41 +103,43 @@ class TrainConfig:
     mlflow: str | None = None
     #: each block recomputes its activations in the backward: less memory, more time
     activation_checkpointing: bool = False
+    #: NaN or infinite losses: error, skip (--skip-nonfinite) or off; None: PARATRAIN_NONFINITE
+    nonfinite: str | None = None
+    #: seconds without progress before the run is stopped (--hang-timeout); None: 600
+    hang_timeout: float | None = None
+    #: processes that disagree about the next collective are stopped (--no-collective-check)
+    collective_check: bool = True
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
 
-        ``recipes`` finds the recipe by name (``paratrain.training.recipes.get_recipe``). Builds the
-        strategy once to check strategy, devices and batch arithmetic here, before any
-        process or process group exists.
+        ``recipes`` finds the recipe by name (``paratrain.training.recipes.get_recipe``). The
+        runtime's options are checked by their declarations (:meth:`runtime_config`); the
+        strategy is built once to check devices, data path, speed options, the model and
+        the batch arithmetic here, before any process or process group exists.
         """
         from paratrain.data.paths import check_data_path
-        from paratrain.devices.precision import normalize_precision
-        from paratrain.runtime.oom import check_oom_mode
         from paratrain.runtime.speed import check_speed
         from paratrain.strategies import build_strategy, check_sync_batchnorm
 
         recipe = recipes(self.recipe)
+        runtime = self.runtime_config()
         cfg = dataclasses.replace(
             self,
             epochs=recipe.epochs if self.epochs is None else self.epochs,
             batch_size=recipe.batch_size if self.batch_size is None else self.batch_size,
             lr=recipe.lr if self.lr is None else self.lr,
-            precision=normalize_precision(self.precision),
+            precision=runtime.precision,
         )
         _positive("--epochs", cfg.epochs)
         _positive("--batch-size", cfg.batch_size)
-        _positive("--accumulate", cfg.accumulate)
         if cfg.max_steps is not None:
             _positive("--max-steps", cfg.max_steps)
         if cfg.save_every is not None:
             _positive("--save-every", cfg.save_every)
-        if cfg.threads is not None:
-            _positive("--threads", cfg.threads)
         if cfg.profile is not None:
             _positive("--profile", cfg.profile)
         _positive("--keep", cfg.keep)
-        check_oom_mode(cfg.oom)
         if cfg.synthetic is not None:
             _positive("--synthetic", cfg.synthetic)
         if cfg.lr is None or not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -147,18 +147,16 @@ class TrainConfig:
         if not 0 <= cfg.seed < 2**63:
             raise UserError(f"--seed must be between 0 and 2**63-1, got {cfg.seed}")
         recipe.check_data_options(cfg.data_dir, cfg.synthetic, cfg.download)
-        strategy = build_strategy(cfg.strategy, cfg.devices, cfg.runtime_config().options)
+        strategy = build_strategy(runtime.strategy, runtime.devices, runtime.options)
         check_sync_batchnorm(strategy, cfg.sync_batchnorm)
-        _check_strategy_options(cfg, strategy.name)
         check_data_path(cfg.data_path, cfg.device_budget_gib, strategy.devices[0])
-        check_speed(strategy, cfg.speed_options())
+        check_speed(strategy, runtime.speed)
         if strategy.checks_model:  # e.g. fsdp on a model without parameters
             import torch
 
             with torch.device("meta"):  # shapes are enough: nothing is allocated
                 strategy.check_model(recipe.build_model(cfg))
         assert cfg.batch_size is not None
-        check_batch_size_per(cfg.batch_size_per)
         per_process = cfg.batch_size_per == "process"
         if cfg.batch_size * (strategy.num_processes if per_process else 1) < len(strategy.devices):
             raise UserError(
@@ -168,67 +166,17 @@ class TrainConfig:
         return cfg
 
     def runtime_config(self) -> RuntimeConfig:
-        from paratrain.devices.precision import normalize_precision
-        from paratrain.runtime.facade import RuntimeConfig
-        from paratrain.strategies import StrategyOptions
+        """The runtime's configuration: every field named as a ``Runtime(...)`` keyword,
+        checked by the option's declaration (:mod:`paratrain.runtime.config`)."""
+        from paratrain.runtime.config import RuntimeConfig, runtime_keywords
 
-        return RuntimeConfig(
-            strategy=self.strategy,
-            devices=self.devices,
-            precision=self.precision,
-            seed=self.seed,
-            accumulate=self.accumulate,
-            sync_batchnorm=self.sync_batchnorm,
-            deterministic=self.deterministic,
-            speed=self.speed_options(),
-            batch_size_per=self.batch_size_per,
-            options=StrategyOptions(
-                normalize_precision(self.precision),
-                self.block_names(),
-                _names(self.pipeline_split),
-                self.pipeline_schedule,
-                self.pipeline_microbatches,
-            ),
-            threads=self.threads,
-            oom=self.oom,
-            activation_checkpointing=self.activation_checkpointing,
-        )
-
-    def speed_options(self) -> SpeedOptions:
-        from paratrain.runtime.speed import SpeedOptions
-
-        return SpeedOptions.of(self.compile, self.channels_last)
-
-    def block_names(self) -> tuple[str, ...]:
-        return _names(self.fsdp_blocks)
+        given = {
+            name: getattr(self, name) for name, _, _ in runtime_keywords() if hasattr(self, name)
+        }
+        return RuntimeConfig.from_keywords(**given)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _names(listed: str | None) -> tuple[str, ...]:
-    """``"a, b"`` -> ``("a", "b")``."""
-    return tuple(n.strip() for n in (listed or "").split(",") if n.strip())
-
-
-#: options that only one strategy reads: given to another one, they would do nothing
-STRATEGY_OPTIONS = {
-    "fsdp_blocks": "fsdp",
-    "pipeline_split": "pipeline",
-    "pipeline_schedule": "pipeline",
-    "pipeline_microbatches": "pipeline",
-}
-
-
-def _check_strategy_options(cfg: TrainConfig, strategy: str) -> None:
-    defaults = TrainConfig()
-    for name, owner in STRATEGY_OPTIONS.items():
-        if strategy != owner and getattr(cfg, name) != getattr(defaults, name):
-            flag = "--" + name.replace("_", "-")
-            raise UserError(
-                f"{flag} applies to --strategy {owner} only, not {strategy}; drop {flag} or "
-                f"use --strategy {owner}"
-            )
 
 
 def _positive(flag: str, value: int | None) -> None:

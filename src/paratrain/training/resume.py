@@ -29,9 +29,9 @@ from paratrain.checkpoints.state.store import (
     list_checkpoints,
 )
 from paratrain.devices.precision import normalize_precision
-from paratrain.strategies import build_strategy
+from paratrain.strategies import FLAT_OWNERS
 from paratrain.training import rundir
-from paratrain.training.config import STRATEGY_OPTIONS, TrainConfig
+from paratrain.training.config import TrainConfig
 from paratrain.training.recipes import get_recipe
 from paratrain.utils.errors import UserError
 
@@ -53,8 +53,13 @@ CHANGEABLE = frozenset(
         "download",
         "tensorboard",
         "threads",  # the last bits of what follows, not what was trained (threads.py)
+        "nonfinite",  # how this command watches the run, not what is trained
+        "hang_timeout",
+        "collective_check",
     }
 )
+#: options of the command that continues a run, not inherited from the run's first command
+PER_COMMAND = ("nonfinite", "hang_timeout")
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -137,11 +142,13 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
         )
     changes = {name: value for name, value in given.items() if name in CHANGEABLE}
     changes["progress"] = given.get("progress", True)  # not inherited from the first run
+    for name in PER_COMMAND:
+        changes[name] = given.get(name)
     if "strategy" in given and "devices" not in given:
         changes["devices"] = None  # the run's devices were meant for its strategy
     if "strategy" in given:  # the options of the run's strategy do not apply to another
         defaults = TrainConfig()
-        for name in STRATEGY_OPTIONS:
+        for name in FLAT_OWNERS:  # the flat keywords only some strategies read
             changes.setdefault(name, given.get(name, getattr(defaults, name)))
     cfg = dataclasses.replace(
         saved, **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)
@@ -168,8 +175,7 @@ def _recorded_threads(
     count = recorded.get("threads") if isinstance(recorded, dict) else None
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         return cfg  # a run from before the count was recorded: chosen again
-    before = build_strategy(saved.strategy, saved.devices).num_processes
-    if build_strategy(cfg.strategy, cfg.devices).num_processes != before:
+    if cfg.runtime_config().num_processes != saved.runtime_config().num_processes:
         return cfg  # another layout sums in another order anyway: chosen for it
     return dataclasses.replace(cfg, threads=count)
 
@@ -250,7 +256,7 @@ def _check_processes(cfg: TrainConfig, state: dict[str, Any], checkpoint: Path) 
     so the data position (a global batch index) maps only onto the same number."""
     if cfg.batch_size_per != "process" or "world_size" not in state:
         return
-    processes = build_strategy(cfg.strategy, cfg.devices).num_processes
+    processes = cfg.runtime_config().num_processes
     if processes != state["world_size"]:
         raise UserError(
             f"--resume: {checkpoint} was trained by {state['world_size']} process(es) with "

@@ -63,14 +63,16 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes:
 
 
 def apply_to_environment(args: argparse.Namespace) -> None:
-    """The hang timeout and the non-finite policy reach every process as environment."""
-    from paratrain.runtime.nonfinite import POLICY_VARIABLE
+    """`paratrain run`: the hang timeout and the non-finite policy reach the script's
+    processes as environment, where the runtime the script builds reads them
+    (`paratrain train` passes them as options of its configuration)."""
+    from paratrain.runtime.config import NONFINITE_VARIABLE
 
     if args.hang_timeout is not None:
         os.environ[TIMEOUT_VARIABLE] = str(args.hang_timeout)
         hang_timeout()  # a bad value fails here, before anything starts
     if args.skip_nonfinite:
-        os.environ[POLICY_VARIABLE] = "skip"
+        os.environ[NONFINITE_VARIABLE] = "skip"
 
 
 def slurm_nodes(args: argparse.Namespace, processes: int) -> tuple[Nodes, SlurmTasks | None]:

@@ -123,7 +123,6 @@ def _number(name: str, value: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from paratrain.runtime.facade import DEVICES_VARIABLE, STRATEGY_VARIABLE, RuntimeConfig
-    from paratrain.strategies import build_strategy
 
     script_args = _options_after_the_script(args)
     strategy, devices = args.strategy or "auto", args.devices
@@ -131,12 +130,12 @@ def run(args: argparse.Namespace) -> int:
     apply_to_environment(args)
     if not Path(args.script).is_file():
         raise UserError(f"script {args.script} does not exist")
-    RuntimeConfig(strategy=strategy, devices=devices).validate()
-    built = build_strategy(strategy, devices)  # bad --devices fail here, before any process
-    nodes, tasks = slurm_nodes(args, built.num_processes)
-    env = {STRATEGY_VARIABLE: built.name}
+    config = RuntimeConfig.from_keywords(strategy=strategy, devices=devices)
+    processes = config.num_processes  # bad --devices fail here, before any process
+    nodes, tasks = slurm_nodes(args, processes)
+    env = {STRATEGY_VARIABLE: config.strategy_name}
     # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
-    threads = choose_for(built.num_processes)
+    threads = choose_for(processes)
     env.update(threads.child_environment())
     if devices is not None:
         env[DEVICES_VARIABLE] = devices
@@ -149,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
             runpy.run_path(args.script, run_name="__main__")
             return 0
         entry = ["paratrain.cli.entry", "run", args.script, *script_args]
-        say_note(started_note(threads, built.num_processes))
-        run_agent(entry, built.num_processes, env, nodes, args.script)
+        say_note(started_note(threads, processes))
+        run_agent(entry, processes, env, nodes, args.script)
     except Stopped as stop:
         requeue_on_stop(args, tasks, stop)
         raise

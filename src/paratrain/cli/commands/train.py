@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from paratrain.cli.commands.launch_options import (
     add_launch_arguments,
-    apply_to_environment,
     nodes_from_args,
     requeue_on_stop,
     slurm_nodes,
@@ -20,6 +19,8 @@ from paratrain.launching.agent import Nodes
 from paratrain.launching.preemption import Stopped
 from paratrain.launching.slurm import SlurmTasks
 from paratrain.launching.threads import say_note, started_note
+from paratrain.launching.watchdog import TIMEOUT_VARIABLE
+from paratrain.runtime.config import check_hang_timeout, command_line_options
 from paratrain.training.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.training.mlflow_logger import DEFAULT_URI, require_mlflow
 from paratrain.utils.catalog import RECIPES, STRATEGIES
@@ -37,7 +38,9 @@ def _strategy_help() -> str:
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """The options every command that trains a recipe shares."""
+    """The options every command that trains a recipe shares; the runtime's are checked
+    against their declarations (paratrain.runtime.config) by tests/test_config_agreement.py,
+    and those declared with their argparse form are generated from them."""
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"one of: {', '.join(RECIPES)}")
     p.add_argument("--strategy", default="auto", help=_strategy_help())
     p.add_argument("--devices", help="a count (2) or a list (0,1 / cuda:0,cuda:1 / cpu,cpu)")
@@ -137,6 +140,8 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline: micro-batches per batch (default 4; fewer where a batch does not "
         "split evenly)",
     )
+    for flag, kwargs in command_line_options():  # generated from their declarations
+        p.add_argument(flag, **kwargs)
 
 
 def register(subparsers: Any) -> None:
@@ -219,6 +224,8 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
     given = {name: value for name, value in given.items() if value is not None}
     if getattr(args, "no_progress", False):
         given["progress"] = False
+    if getattr(args, "skip_nonfinite", False):
+        given["nonfinite"] = "skip"
     return given
 
 
@@ -289,12 +296,11 @@ def _sets_up_out(nodes: Nodes) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from paratrain.strategies import build_strategy
     from paratrain.training import run_lock
     from paratrain.training.resume import resume_config
 
     nodes_from_args(args)  # the launch options are checked first
-    apply_to_environment(args)
+    check_hang_timeout(args.hang_timeout)
     directory = _run_directory(args)  # gives --out its default before the config is built
     if getattr(args, "resume", None) is not None:
         if getattr(args, "fresh", False):
@@ -304,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = resume_config(args.resume, given_options(args))
     else:
         cfg = config_from_args(args)
-    processes = build_strategy(cfg.strategy, cfg.devices).num_processes
+    processes = cfg.runtime_config().num_processes
     nodes, tasks = slurm_nodes(args, processes)  # under srun, SLURM's environment decides
     # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
     # of a launcher that started every process with this command (torchrun, srun).
@@ -330,6 +336,8 @@ def _run_locked(
         cfg = planned
     try:
         if nodes.uses_agent and not launched():
+            if cfg.hang_timeout is not None:  # torchrun's agent reads it from there
+                os.environ[TIMEOUT_VARIABLE] = str(cfg.hang_timeout)
             return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
         return train_command(cfg)
     except Stopped as stop:

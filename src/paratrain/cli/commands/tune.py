@@ -159,7 +159,12 @@ def _resumed_settings(args: argparse.Namespace) -> tuple[Any, Path]:
 
 def refuse_train_only_options(args: argparse.Namespace) -> None:
     """The options of `paratrain train` a trial cannot take: named, with why, in one line."""
-    given = [flag for flag in REFUSED if hasattr(args, flag.removeprefix("--").replace("-", "_"))]
+    # a flag left out is absent, or None where a TrainConfig field of its name defaults it
+    given = [
+        flag
+        for flag in REFUSED
+        if getattr(args, flag.removeprefix("--").replace("-", "_"), None) is not None
+    ]
     if given:
         reasons = "; ".join(f"{flag}: {REFUSED[flag][1]}" for flag in given)
         raise UserError(f"paratrain tune takes no {reasons} (see: paratrain tune --help)")
