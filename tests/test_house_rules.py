@@ -4,7 +4,8 @@
   that must run before torch is imported (``launching.threads``, ``launching.wait_policy``):
   at most four modules of ``src/`` touch ``os.environ`` or ``os.getenv``.
 - ``RANK`` is parsed in one place.
-- No strategy name is compared outside ``strategies/``: the runtime asks its strategy.
+- No strategy name is compared outside ``strategies/`` (and ``plan``'s formula per layout):
+  the runtime, the loop and the launchers ask the strategy.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def test_rank_is_parsed_in_one_place() -> None:
 def test_no_strategy_name_is_compared_outside_strategies() -> None:
     found = []
     for name, tree in _modules().items():
-        if name.startswith(("strategies/", "utils/catalog", "tools/", "cli/")):
-            continue  # the strategies themselves; the catalog and the command line name them
+        # the strategies themselves, the catalog that names them without torch, and plan's
+        # memory formulas, one per layout it predicts
+        if name.startswith(("strategies/", "utils/catalog", "tools/plan/layouts")):
+            continue
         for node in ast.walk(tree):
             if not isinstance(node, ast.Compare):
                 continue

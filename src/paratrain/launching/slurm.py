@@ -137,7 +137,7 @@ def from_env(env: Mapping[str, str] | None = None) -> SlurmTasks | None:
     """This task under ``srun``, checked; None outside a SLURM job step, under another
     launcher (``RANK`` set), or with ``PARATRAIN_SLURM=0``."""
     env = environment.current().variables if env is None else env
-    if env.get(SWITCH_VARIABLE) == "0" or env.get("RANK") is not None:
+    if env.get(SWITCH_VARIABLE) == "0" or "RANK" in env:
         return None
     if env.get("SLURM_STEP_ID") is None or env.get("SLURM_PROCID") is None:
         return None

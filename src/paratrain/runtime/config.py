@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paratrain.launching.watchdog import TIMEOUT_VARIABLE
 from paratrain.runtime.batching import check_batch_size_per
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 if TYPE_CHECKING:  # `paratrain train --help` reads the declarations without importing torch
@@ -110,7 +110,7 @@ def _nonfinite(policy: str) -> str:
 
 def nonfinite_from_env() -> str:
     """``PARATRAIN_NONFINITE``, read once, when a configuration is built (default error)."""
-    policy = os.environ.get(NONFINITE_VARIABLE) or "error"
+    policy = environment.current().get(NONFINITE_VARIABLE) or "error"
     if policy not in NONFINITE_POLICIES:
         raise UserError(
             f"{NONFINITE_VARIABLE}={policy!r}: use one of {', '.join(NONFINITE_POLICIES)}"
@@ -240,9 +240,9 @@ class RuntimeConfig:
         :func:`runtime_keywords`, flat ones included), checked; ``strategy="auto"`` and
         ``devices=None`` take `paratrain run`'s choice from the environment."""
         if str(given.get("strategy", AUTO)) == AUTO:
-            given["strategy"] = os.environ.get(STRATEGY_VARIABLE) or AUTO
+            given["strategy"] = environment.current().get(STRATEGY_VARIABLE) or AUTO
         if given.get("devices") is None:
-            given["devices"] = os.environ.get(DEVICES_VARIABLE) or None
+            given["devices"] = environment.current().get(DEVICES_VARIABLE) or None
         return cls.from_keywords(**given)
 
     @classmethod

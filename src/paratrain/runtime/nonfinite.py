@@ -34,7 +34,6 @@ abort, or into a hang).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +41,9 @@ import torch
 from paratrain.distributed.collective import Collective
 from paratrain.utils.errors import NonFiniteLossError, UserError
 
+#: the variable the runtime configuration reads the default policy from
 POLICY_VARIABLE = "PARATRAIN_NONFINITE"
 POLICIES = ("error", "skip", "off")
-
-
-def policy_from_env() -> str:
-    policy = os.environ.get(POLICY_VARIABLE) or "error"
-    if policy not in POLICIES:
-        raise UserError(f"{POLICY_VARIABLE}={policy!r}: use one of {', '.join(POLICIES)}")
-    return policy
 
 
 @dataclass(frozen=True)
@@ -69,8 +62,10 @@ class NonFiniteCheck:
     """Whether a loss was finite, judged on every process alike (the policy's answer); the
     step pipeline (:mod:`paratrain.runtime.step`) runs it, the step's agreement carries it."""
 
-    def __init__(self, policy: str | None = None) -> None:
-        self.policy = policy or policy_from_env()
+    def __init__(self, policy: str = "error") -> None:
+        """``policy``: the runtime configuration's ``nonfinite`` option (which reads
+        ``PARATRAIN_NONFINITE`` when it is built)."""
+        self.policy = policy
         if self.policy not in POLICIES:
             raise UserError(f"non-finite policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         self._pending: torch.Tensor | None = None  # earlier micro-batches of this step

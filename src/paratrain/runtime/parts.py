@@ -7,7 +7,6 @@ part a user or test replaces on the runtime is the one they use)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +20,7 @@ from paratrain.runtime.oom import MicroBatches
 from paratrain.runtime.speed import Speed
 from paratrain.runtime.step_state import StepState
 from paratrain.strategies import Strategy, build_strategy, check_sync_batchnorm
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 
@@ -64,7 +64,7 @@ def assemble(config: RuntimeConfig) -> RuntimeParts:
     if strategy.num_processes == 1 or launched():  # before torch's pools start
         apply_here(threads)
         # what this process has: OpenMP read the wait policy when torch was imported
-        policy = os.environ.get("OMP_WAIT_POLICY") or "default"
+        policy = environment.current().get("OMP_WAIT_POLICY") or "default"
         threads = dataclasses.replace(threads, wait_policy=policy)
     check_sync_batchnorm(strategy, config.sync_batchnorm)
     if config.activation_checkpointing and not strategy.allows_activation_checkpointing:

@@ -67,6 +67,8 @@ class Strategy(ABC):
     #: a model built on the meta device is materialised by ``wrap_model``, only this
     #: process's part (``meta_init``); the others get it whole before ``place_model``
     builds_parts: ClassVar[bool] = False
+    #: its processes may span several machines (torchrun's agent on each, --nnodes)
+    spans_machines: ClassVar[bool] = False
     #: the torch.compile mode ``--compile`` (``auto``) means here (paratrain.runtime.compiling)
     compile_mode: ClassVar[str] = "default"
     #: why ``--compile``'s first-step check cannot run its eager pass here, or None

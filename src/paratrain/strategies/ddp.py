@@ -34,7 +34,6 @@ from paratrain.strategies.distributed import (
     INIT_TIMEOUT_VARIABLE,
     TorchCollective,
     attempt_store,
-    env_int,
     launched,
     local_process_count,
     loopback_store,
@@ -42,6 +41,7 @@ from paratrain.strategies.distributed import (
 )
 from paratrain.strategies.registry import register
 from paratrain.strategies.sync_batchnorm import make_cpu_compatible
+from paratrain.utils import environment
 from paratrain.utils.catalog import STRATEGIES
 from paratrain.utils.errors import LaunchError, UserError
 
@@ -50,6 +50,7 @@ from paratrain.utils.errors import LaunchError, UserError
 class DDPStrategy(Strategy):
     name = "ddp"
     syncs_batchnorm = True
+    spans_machines = True
     description = STRATEGIES["ddp"]
 
     def __init__(
@@ -68,13 +69,14 @@ class DDPStrategy(Strategy):
         )
         # Known from the launcher's environment before the group exists, so rt.rank works
         # (and the right device is chosen) before joining.
-        self.local_rank = env_int("LOCAL_RANK", 0) if launched() else 0
+        env = environment.current()
+        self.local_rank = env.local_rank if env.launched else 0
         if self.local_rank >= len(devices):
             raise UserError(
                 f"LOCAL_RANK {self.local_rank} has no device: --devices names {len(devices)}"
             )
-        rank = env_int("RANK", 0) if launched() else 0
-        world_size = env_int("WORLD_SIZE", 1) if launched() else len(devices)
+        rank = env.rank if env.launched else 0
+        world_size = env.world_size if env.launched else len(devices)
         self.collective = TorchCollective(rank, self.local_rank, world_size, self.root_device)
         self._owns_group = False
         self._wrapped: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
@@ -145,8 +147,8 @@ class DDPStrategy(Strategy):
                     dist.init_process_group(
                         self.backend,
                         store=store,
-                        rank=env_int("RANK", 0),
-                        world_size=env_int("WORLD_SIZE", 1),
+                        rank=environment.current().rank,
+                        world_size=environment.current().world_size,
                         timeout=self.init_timeout,
                     )
             except (RuntimeError, ValueError, OSError) as exc:  # OSError: the port taken

@@ -8,7 +8,6 @@ and ``init_process_group(init_method="env://")`` reads them.
 from __future__ import annotations
 
 import contextlib
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -18,9 +17,9 @@ import torch.distributed as dist
 from paratrain.distributed import loopback
 from paratrain.distributed.collective import Collective, ReduceOp
 from paratrain.distributed.collective_order import LEDGER
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 INIT_TIMEOUT_VARIABLE = "PARATRAIN_INIT_TIMEOUT"
 COLLECTIVE_TIMEOUT_VARIABLE = "PARATRAIN_COLLECTIVE_TIMEOUT"
 DEFAULT_INIT_TIMEOUT = 120.0
@@ -36,24 +35,13 @@ _OPS = {
 
 def launched() -> bool:
     """Whether a launcher started this process as one rank of a group."""
-    return all(os.environ.get(name) for name in LAUNCH_VARIABLES)
-
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if not value else int(value)
+    return environment.current().launched
 
 
 def local_process_count() -> int | None:
     """How many processes the launcher started on this machine, None if not launched."""
-    if not launched():
-        return None
-    # A Kubeflow PyTorchJob that starts paratrain without torchrun sets no LOCAL_WORLD_SIZE
-    # but says how many processes each pod runs.
-    per_pod = os.environ.get("PET_NPROC_PER_NODE", "")
-    if "LOCAL_WORLD_SIZE" not in os.environ and per_pod.isdigit():
-        return int(per_pod)
-    return env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))
+    env = environment.current()
+    return env.local_world_size if env.launched else None
 
 
 def attempt_store(timeout: timedelta) -> dist.Store | None:
@@ -63,17 +51,12 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
     fixed keys in it: a restarted process would read the dead processes' addresses and
     time out connecting (torch 2.13). Each attempt gets keys of its own.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    env = environment.current()
+    if not env.agent_store or env.master_addr is None or env.master_port is None:
         return None
-    loopback.pin_interfaces(os.environ.get("MASTER_ADDR"))
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timeout,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"paratrain/attempt-{attempt}", store)
+    loopback.pin_interfaces(env.master_addr)
+    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"paratrain/attempt-{env.attempt}", store)
 
 
 def loopback_store(timeout: timedelta) -> dist.Store | None:
@@ -81,18 +64,18 @@ def loopback_store(timeout: timedelta) -> dist.Store | None:
     spawned processes): the store, its server on rank 0 listening on loopback only (torch's
     ``env://`` would listen on every interface); None for any other address. Also pins
     gloo's and NCCL's sockets to the loopback interface."""
-    host = os.environ["MASTER_ADDR"]
-    if not loopback.is_loopback(host):
+    env = environment.current()
+    host, port = env.master_addr, env.master_port
+    if host is None or port is None or not loopback.is_loopback(host):
         return None
     loopback.pin_interfaces(host)
-    port, rank = int(os.environ["MASTER_PORT"]), env_int("RANK", 0)
-    if rank == 0:
+    if env.rank == 0:
         return loopback.store_server(host, port, timeout, multi_tenant=True)
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
 def timeout_from_env(name: str, default: float) -> timedelta:
-    raw = os.environ.get(name)
+    raw = environment.current().get(name)
     if not raw:
         return timedelta(seconds=default)
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 from paratrain.checkpoints.state import latest_checkpoint
 from paratrain.launching.agent import Nodes, previous_failure, run_agent
 from paratrain.launching.threads import choose_for, say_note, started_note
-from paratrain.strategies import build_strategy
+from paratrain.strategies import count_processes, resolved_name, strategy_class
 from paratrain.training import rundir
 from paratrain.training.config import TrainConfig
 from paratrain.training.recipes import get_recipe
@@ -38,33 +38,34 @@ def start_agent(cfg: TrainConfig, nodes: Nodes) -> int:
     """Train ``cfg`` in this machine's processes under the agent; returns the exit code."""
     nodes.check()
     cfg = cfg.resolved(get_recipe)
-    strategy = build_strategy("ddp" if cfg.strategy == "auto" else cfg.strategy, cfg.devices)
-    if nodes.nnodes > 1 and strategy.name != "ddp":
+    # under the agent "auto" is ddp; the strategy is asked, not built
+    name = "ddp" if cfg.strategy == "auto" else cfg.strategy
+    kind = strategy_class(resolved_name(name, cfg.devices))
+    if nodes.nnodes > 1 and not kind.spans_machines:
         raise UserError(f"--nnodes {nodes.nnodes} needs --strategy ddp, not {cfg.strategy}")
     if nodes.nnodes > 1 and cfg.out is None:
         raise UserError(
             f"--nnodes {nodes.nnodes} needs --out DIR, the same on every machine (a shared "
             "filesystem, for checkpoints and restarts)"
         )
-    world = nodes.nnodes * strategy.num_processes
+    processes = count_processes(name, cfg.devices)
+    world = nodes.nnodes * processes
     assert cfg.batch_size is not None
     if cfg.batch_size < world:
         raise UserError(
             f"--batch-size {cfg.batch_size} is smaller than the number of processes "
-            f"({nodes.nnodes} machine(s) x {strategy.num_processes} = {world}); every "
+            f"({nodes.nnodes} machine(s) x {processes} = {world}); every "
             "process needs at least one sample"
         )
     if cfg.resume_from is None and nodes.node_rank == 0:
         cfg.out = str(rundir.prepare(cfg.out, cfg.recipe, cfg.overwrite))
-    cfg.strategy = strategy.name
+    cfg.strategy = kind.name
     env = {CONFIG_VARIABLE: json.dumps(cfg.to_dict())}
     # set before torchrun: it warns and sets OMP_NUM_THREADS=1 where nobody chose
-    threads = choose_for(strategy.num_processes, cfg.threads, not cfg.deterministic)
+    threads = choose_for(processes, cfg.threads, not cfg.deterministic)
     env.update(threads.child_environment())
-    say_note(started_note(threads, strategy.num_processes))
-    run_agent(
-        ["paratrain.cli.entry", "train"], strategy.num_processes, env, nodes, "paratrain train"
-    )
+    say_note(started_note(threads, processes))
+    run_agent(["paratrain.cli.entry", "train"], processes, env, nodes, "paratrain train")
     return 0
 
 

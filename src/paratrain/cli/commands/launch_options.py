@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from paratrain.launching import slurm
@@ -12,6 +11,7 @@ from paratrain.launching.agent import Nodes
 from paratrain.launching.preemption import Stopped
 from paratrain.launching.slurm import SlurmTasks
 from paratrain.launching.watchdog import TIMEOUT_VARIABLE, hang_timeout
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 #: options that take a value, as `paratrain run` finds them among the script's arguments
@@ -69,10 +69,10 @@ def apply_to_environment(args: argparse.Namespace) -> None:
     from paratrain.runtime.config import NONFINITE_VARIABLE
 
     if args.hang_timeout is not None:
-        os.environ[TIMEOUT_VARIABLE] = str(args.hang_timeout)
+        environment.export({TIMEOUT_VARIABLE: str(args.hang_timeout)})
         hang_timeout()  # a bad value fails here, before anything starts
     if args.skip_nonfinite:
-        os.environ[NONFINITE_VARIABLE] = "skip"
+        environment.export({NONFINITE_VARIABLE: "skip"})
 
 
 def slurm_nodes(args: argparse.Namespace, processes: int) -> tuple[Nodes, SlurmTasks | None]:
@@ -80,7 +80,7 @@ def slurm_nodes(args: argparse.Namespace, processes: int) -> tuple[Nodes, SlurmT
     many the strategy starts per node), else from the options. One task per process: this
     process is one rank (its launcher environment is set here); one task per node:
     torchrun's agent starts ``processes`` on each node, meeting on the first node."""
-    if args.requeue and not os.environ.get("SLURM_JOB_ID"):
+    if args.requeue and not environment.current().slurm_job_id:
         raise UserError("--requeue requeues a SLURM job, and SLURM_JOB_ID is not set")
     tasks = slurm.from_env()
     if tasks is None:
@@ -96,7 +96,7 @@ def slurm_nodes(args: argparse.Namespace, processes: int) -> tuple[Nodes, SlurmT
                 "--max-restarts restarts the processes paratrain starts: run one task per "
                 "node (srun --ntasks-per-node=1), not one per process"
             )
-        os.environ.update(tasks.launcher_environment())
+        environment.export(tasks.launcher_environment())
         return Nodes().check(), tasks
     if tasks.local_tasks == 1:  # one task per node: paratrain starts the processes
         nodes = Nodes(len(tasks.hosts), tasks.nodeid, tasks.endpoint, args.max_restarts)
@@ -115,5 +115,5 @@ def requeue_on_stop(args: argparse.Namespace, tasks: SlurmTasks | None, stop: St
         return
     if tasks is not None and tasks.procid != 0:
         return
-    job_id = tasks.job_id if tasks is not None else os.environ.get("SLURM_JOB_ID", "")
+    job_id = tasks.job_id if tasks is not None else environment.current().slurm_job_id
     print(slurm.requeue(job_id), file=sys.stderr, flush=True)

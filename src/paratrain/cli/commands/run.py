@@ -14,7 +14,6 @@ script's. `--hang-timeout` and `--skip-nonfinite` reach the script's runtime as
 from __future__ import annotations
 
 import argparse
-import os
 import runpy
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from paratrain.cli.commands.launch_options import (
 from paratrain.launching.agent import run_agent
 from paratrain.launching.preemption import Stopped
 from paratrain.launching.threads import choose_for, say_note, started_note
+from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if tasks is not None and not nodes.uses_agent:
             # srun started one task per process: this one is a rank, the script runs here
-            os.environ.update(env)
+            environment.export(env)
             sys.argv = [args.script, *script_args]
             sys.path.insert(0, str(Path(args.script).resolve().parent))
             runpy.run_path(args.script, run_name="__main__")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from paratrain.launching.watchdog import TIMEOUT_VARIABLE
 from paratrain.runtime.config import check_hang_timeout, command_line_options
 from paratrain.training.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.training.mlflow_logger import DEFAULT_URI, require_mlflow
+from paratrain.utils import environment
 from paratrain.utils.catalog import RECIPES, STRATEGIES
 from paratrain.utils.errors import UserError
 
@@ -131,7 +131,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--oom",
         choices=("auto", "off"),
         help="auto (default): a micro-batch that runs out of memory is redone in halves, the "
-        "same step (PARATRAIN_TEST_OOM=RANK:ABOVE simulates it); off: the run stops",
+        "same step; off: the run stops",
     )
     p.add_argument(
         "--pipeline-microbatches",
@@ -291,7 +291,7 @@ def _sets_up_out(nodes: Nodes) -> bool:
     from paratrain.launching.launch import launched
 
     if launched():
-        return os.environ.get("RANK", "0") == "0"
+        return environment.current().is_rank_zero
     return nodes.node_rank == 0
 
 
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     nodes, tasks = slurm_nodes(args, processes)  # under srun, SLURM's environment decides
     # One process writes a run directory at a time: this launcher (machine 0's), or rank 0
     # of a launcher that started every process with this command (torchrun, srun).
-    locks = directory is not None and nodes.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+    locks = directory is not None and nodes.node_rank == 0 and environment.current().is_rank_zero
     with run_lock.hold(directory) if locks and directory else contextlib.nullcontext():
         return _run_locked(args, cfg, nodes, tasks)
 
@@ -337,7 +337,7 @@ def _run_locked(
     try:
         if nodes.uses_agent and not launched():
             if cfg.hang_timeout is not None:  # torchrun's agent reads it from there
-                os.environ[TIMEOUT_VARIABLE] = str(cfg.hang_timeout)
+                environment.export({TIMEOUT_VARIABLE: str(cfg.hang_timeout)})
             return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
         return train_command(cfg)
     except Stopped as stop:
