@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.archives import good_archive
 from safetensors.torch import save_file
-from test_download import good_archive
 
 from paratrain.cli.commands.tune import REFUSED, fetch_once, settings_from_args
 from paratrain.cli.main import build_parser, main, parse

@@ -17,7 +17,7 @@ import pytest
 from paratrain.cli.main import main
 from paratrain.tools.doctor import RULES, diagnose, diagnose_source
 
-SCRIPTS = Path(__file__).parent / "doctor_scripts"
+SCRIPTS = Path(__file__).parents[2] / "doctor_scripts"
 EXPECT = re.compile(r"#\s*expect:\s*([^#]+)")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import paratrain
 from paratrain.cli.main import build_parser
 
-EXPECTED = Path(__file__).with_name("public_api.txt")
+EXPECTED = Path(__file__).parents[1] / "public_api.txt"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[str]:

@@ -31,7 +31,7 @@ from conftest import subprocess_env
 
 from paratrain.tools.doctor import diagnose_source
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: the README, then the manual's pages in a fixed order
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- readme-test: ([^>]*?) -->\n)?```python\n(.*?)```", re.DOTALL)

@@ -17,8 +17,8 @@ from paratrain.cli.main import main
 from paratrain.tools.doctor import RULES, diagnose, diagnose_source
 from paratrain.tools.doctor.explain import explained
 
-REAL = Path(__file__).parent / "doctor_scripts" / "real"
-PORTING = Path(__file__).resolve().parents[1] / "docs" / "porting.md"
+REAL = Path(__file__).parents[2] / "doctor_scripts" / "real"
+PORTING = Path(__file__).resolve().parents[3] / "docs" / "porting.md"
 
 PER_RANK = "every rank prints the same line (nothing names the rank), N copies"
 #: file -> [(line, rule, true?, why)]

@@ -12,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers.archives import good_archive
+from helpers.archives import tar_gz as _tar
 
 from paratrain.cli.main import main
 from paratrain.data.cifar import CIFAR_FILES, CIFAR_SUBDIR, load_cifar10, write_fake_cifar_batches
@@ -25,18 +27,6 @@ from paratrain.data.download import (
     source,
 )
 from paratrain.utils.errors import UserError
-
-
-def _tar(build: Callable[[tarfile.TarFile], None]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        build(tar)
-    return buffer.getvalue()
-
-
-def good_archive(tmp: Path) -> bytes:
-    write_fake_cifar_batches(tmp / CIFAR_SUBDIR, n_per_batch=4)
-    return _tar(lambda tar: tar.add(tmp / CIFAR_SUBDIR, arcname=CIFAR_SUBDIR))
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

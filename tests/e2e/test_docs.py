@@ -18,7 +18,7 @@ from paratrain.cli.main import build_parser, main
 from paratrain.tools.doctor import styles
 from paratrain.tools.doctor.findings import Style
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 

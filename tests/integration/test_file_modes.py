@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import subprocess_env
+from helpers.archives import good_archive
 from safetensors.torch import save_file
-from test_download import good_archive
 
 from paratrain.cli.main import main
 from paratrain.data.cifar import CIFAR_FILES

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
-from processes import alive, descendants, exposed, listening
+from helpers.processes import alive, descendants, exposed, listening
 
 from paratrain.cli.main import main
 from paratrain.launching import heartbeat
