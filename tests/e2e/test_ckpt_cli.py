@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import cpu_data_parallel
+from helpers.cli import main_in_process
 from safetensors.torch import load_file
 from torch import nn
 
 from paratrain.checkpoints.weights import save_weights
-from paratrain.cli.main import main
 from paratrain.training import rundir
 
 Run = Callable[..., tuple[int, str, str]]
@@ -23,9 +23,7 @@ Run = Callable[..., tuple[int, str, str]]
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]) -> Run:
     def run(*argv: Any) -> tuple[int, str, str]:
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
+        return main_in_process(capsys, *argv)
 
     return run
 

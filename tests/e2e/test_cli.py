@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import main_in_process, run_paratrain
 from safetensors.torch import load_file
 
 from paratrain.cli.main import main
@@ -19,9 +18,7 @@ CPU = ("--strategy", "cpu")  # left to auto, a machine with GPUs would train the
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return main_in_process(capsys, *argv)
 
 
 def train(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str, str]:
@@ -240,13 +237,7 @@ def test_out_that_is_a_file_is_refused(capsys: pytest.CaptureFixture[str], tmp_p
 
 def test_console_script_and_module_entry_points(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, "-m", "paratrain", "train", "--strategy", "nope"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
+    result = run_paratrain("train", "--strategy", "nope", env=env)
     assert result.returncode == 2
     assert result.stderr.startswith("paratrain: error: unknown strategy")
     assert "Traceback" not in result.stderr

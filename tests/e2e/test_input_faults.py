@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.cli import main_in_process
 
 import paratrain
 from paratrain.cli.main import main
@@ -17,8 +18,7 @@ LINEAR = ("--strategy", "cpu", "--recipe", "linear", "--batch-size", "100")
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
+    code, out, err = main_in_process(capsys, *argv)
     assert "Traceback" not in err
     return code, out, err
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from helpers.cli import run_paratrain
 
 from paratrain.cli.main import main
 from paratrain.data.download import URL_ENV, download_cifar10
@@ -87,14 +85,7 @@ def test_a_reader_that_leaves_early_gets_no_error(tmp_path: Path) -> None:
     read, write = os.pipe()
     os.close(read)  # every write now fails with EPIPE
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "paratrain", "recipes"],
-            stdout=write,
-            stderr=subprocess.PIPE,
-            env=subprocess_env(),
-            text=True,
-            timeout=120,
-        )
+        done = run_paratrain("recipes", stdout=write, timeout=120)
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")

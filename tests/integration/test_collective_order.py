@@ -6,13 +6,12 @@ process. The guarded `rt.save` under rt.launch is tests/test_porting.py's ddp ru
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
+from helpers.cli import run_paratrain
 
 from paratrain.distributed.collective_order import (
     CHECK_VARIABLE,
@@ -91,13 +90,7 @@ def test_a_guarded_all_reduce_under_paratrain_run_stops_with_one_message(tmp_pat
     script.write_text(SCRIPT, encoding="utf-8")
     env = subprocess_env()
     env[CHECK_VARIABLE] = CHECK
-    done = subprocess.run(
-        [sys.executable, "-m", "paratrain", "run", str(script), *DDP_CPU],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_paratrain("run", str(script), *DDP_CPU, env=env, timeout=300)
     assert done.returncode == 1, done.stderr
     assert "disagree about the next collective" in done.stderr
     assert "in rt.all_reduce (collective #" in done.stderr and "rank 1 has finished" in done.stderr

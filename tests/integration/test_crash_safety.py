@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import subprocess_env
+from helpers.cli import run_paratrain, start_paratrain
 from safetensors.torch import load_file
 
 from paratrain.checkpoints.files import load_weights
@@ -29,19 +29,8 @@ DDP = ("--strategy", "ddp", "--devices", "cpu,cpu")
 TIMEOUT = 240.0
 
 
-def _command(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "paratrain", "train", "--no-progress", *argv]
-
-
 def _run(*argv: str) -> str:
-    result = subprocess.run(
-        _command(*argv),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    result = run_paratrain("train", "--no-progress", *argv, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     return result.stderr
 
@@ -51,8 +40,12 @@ def _kill_when(run: Path, ready: Callable[[], bool], *argv: str, stall: str = ""
     # TMPDIR: what the killed launcher cannot clean up stays inside the test's folder
     env = subprocess_env(TMPDIR=str(run.parent), **({STALL_VARIABLE: stall} if stall else {}))
     log = open(run.parent / f"{run.name}.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
-        _command("--out", str(run), *argv),
+    process = start_paratrain(
+        "train",
+        "--no-progress",
+        "--out",
+        str(run),
+        *argv,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CLI, subprocess_env
+from helpers.cli import run_paratrain
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -194,31 +195,10 @@ def test_sync_batchnorm_restores_one_process_results() -> None:
 
 def test_torchrun_starts_paratrain_train(paratrain_cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "paratrain",
-            "train",
-            "--strategy",
-            "ddp",
-            "--devices",
-            "cpu,cpu",
-            "--max-steps",
-            "5",
-            "--no-progress",
-            "--out",
-            str(out),
-        ],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
+    result = run_paratrain(
+        *("train", "--strategy", "ddp", "--devices", "cpu,cpu", "--max-steps", "5"),
+        *("--no-progress", "--out", str(out)),
+        torchrun=("--standalone", "--nproc-per-node", "2"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("trained 0.1 epochs, 5 steps") == 1  # rank 0 only

@@ -8,13 +8,11 @@ saved weights must agree within 1e-5.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from helpers.cli import run_paratrain
 from safetensors.torch import load_file
 
 from paratrain.strategies import strategy_names
@@ -39,7 +37,7 @@ LAYOUTS = [
 
 def train(out: Path, strategy: str, devices: str | None) -> tuple[dict[str, torch.Tensor], str]:
     """Weights and stdout of ``paratrain train`` (digits, 50 steps, default seed)."""
-    args = [sys.executable, "-m", "paratrain", "train", "--recipe", "digits"]
+    args = ["train", "--recipe", "digits"]
     args += [
         "--strategy",
         *strategy.split(),
@@ -51,7 +49,7 @@ def train(out: Path, strategy: str, devices: str | None) -> tuple[dict[str, torc
     ]
     if devices is not None:
         args += ["--devices", devices]
-    result = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    result = run_paratrain(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     return load_file(str(out / "model.safetensors")), result.stdout
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
+from helpers.cli import start_paratrain
 from helpers.processes import alive, descendants, exposed, listening
 
 from paratrain.cli.main import main
@@ -40,14 +41,7 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path]:
     run = tmp_path / "run"
     args = ["train", "--strategy", "ddp", "--devices", "cpu,cpu", "--epochs", "50"]
     args += ["--save-every", "1", "--out", str(run), "--no-progress", *extra]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "paratrain", *args],
-        cwd=tmp_path,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    launcher = start_paratrain(*args, cwd=tmp_path, stderr=subprocess.STDOUT)
     checkpoints = run / "checkpoints"
     started = _until(
         lambda: (
@@ -222,8 +216,10 @@ def test_a_bench_stopped_while_its_ranks_start_leaves_no_process(tmp_path: Path)
     name, value = marker.split("=")
     argv = ["bench", "--strategies", "ddp", "--devices", "cpu,cpu", "--precisions", "32"]
     argv += ["--steps", "3", "--repeats", "3", "--instances", "1", "--no-plot"]
-    bench = subprocess.Popen(
-        [sys.executable, "-m", "paratrain", *argv, "--out", str(tmp_path / "bench")],
+    bench = start_paratrain(
+        *argv,
+        "--out",
+        str(tmp_path / "bench"),
         env=subprocess_env(**{name: value}),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -6,14 +6,12 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
 from helpers.archives import good_archive
+from helpers.cli import run_paratrain
 from safetensors.torch import save_file
 
 from paratrain.cli.main import main
@@ -47,18 +45,10 @@ def test_every_file_of_a_run_follows_the_umask(tmp_path: Path) -> None:
     """digits on the CPU under umask 027: weights, config, metrics, every checkpoint part,
     the TensorBoard events and the profiler trace are 0640, not the temporary file's 0600
     nor a fixed 0644; every folder is 0750."""
-    command = [sys.executable, "-m", "paratrain", "train", "--recipe", "digits"]
+    command = ["train", "--recipe", "digits"]
     command += ["--strategy", "cpu", "--max-steps", "4", "--save-every", "2", "--no-progress"]
     command += ["--tensorboard", "--profile", "1", "--out", "run"]
-    done = subprocess.run(
-        command,
-        cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        preexec_fn=lambda: os.umask(0o027),
-    )
+    done = run_paratrain(*command, cwd=tmp_path, preexec_fn=lambda: os.umask(0o027))
     assert done.returncode == 0, done.stderr[-2000:]
     files = [path for path in (tmp_path / "run").rglob("*") if path.is_file()]
     names = {path.name for path in files}

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI, subprocess_env
+from conftest import CLI
+from helpers.cli import start_paratrain
 
 import paratrain
 from paratrain.cli.main import main
@@ -151,11 +150,9 @@ def test_a_rank_that_never_joins_fails_the_run(
 @pytest.mark.timeout(90)  # a hang here is the bug under test
 def test_kill_9_of_one_worker_stops_the_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "paratrain", "train", "--strategy", "ddp"]
+    command = ["train", "--strategy", "ddp"]
     command += ["--devices", "cpu,cpu", "--epochs", "100000", "--no-progress", "--out", str(out)]
-    process = subprocess.Popen(
-        command, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start_paratrain(*command)
     try:
         metrics = out / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, "epoch 0")

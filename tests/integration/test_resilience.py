@@ -7,7 +7,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import subprocess_env
+from helpers.cli import run_paratrain, start_paratrain
 from safetensors.torch import load_file
 
 from paratrain.cli.main import main
@@ -34,14 +34,7 @@ def running(pid: int) -> bool:
 def paratrain(
     *args: str, cwd: Path, timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "paratrain", *args],
-        cwd=cwd,
-        env=subprocess_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_paratrain(*args, cwd=cwd, env=subprocess_env(**env), timeout=timeout)
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -130,10 +123,11 @@ def test_launch_options_are_checked_on_every_machine_before_starting(
 
 
 def test_user_errors_under_torchrun_are_printed_once(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", "-m", "paratrain", "train", "--recipe", "nope"]
-    result = subprocess.run(
-        command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=180
+    result = run_paratrain(
+        *("train", "--recipe", "nope"),
+        cwd=tmp_path,
+        timeout=180,
+        torchrun=("--standalone", "--nproc-per-node", "2"),
     )
     assert result.returncode != 0
     assert result.stderr.count("paratrain: error: unknown recipe 'nope'") == 1, result.stderr
@@ -150,28 +144,10 @@ def test_two_machines_train_to_the_weights_of_one_process(
     steps = ["--max-steps", "50", "--no-progress"]
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "paratrain",
-                "train",
-                *CPU2,
-                *steps,
-                "--out",
-                "two",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--rdzv-endpoint",
-                endpoint,
-            ],
+        start_paratrain(
+            *("train", *CPU2, *steps, "--out", "two", "--nnodes", "2"),
+            *("--node-rank", str(rank), "--rdzv-endpoint", endpoint),
             cwd=tmp_path,
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         for rank in (0, 1)
     ]
@@ -300,17 +276,7 @@ if [ "$1" = show ]; then printf '127.0.0.1\\n127.0.0.2\\n'; fi
 
 def _together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> list[Any]:
     """Start every command at once (the processes of one run), wait for all."""
-    started = [
-        subprocess.Popen(
-            [sys.executable, "-m", "paratrain", *argv],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for argv, env in commands
-    ]
+    started = [start_paratrain(*argv, cwd=cwd, env=env) for argv, env in commands]
     try:
         outputs = [process.communicate(timeout=300) for process in started]
     finally:

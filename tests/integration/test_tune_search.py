@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import CLI, subprocess_env
+from helpers.cli import run_paratrain, start_paratrain
 
 import paratrain
 from paratrain.models import DigitsCNN
@@ -96,14 +95,12 @@ def test_asha_search_on_digits_stops_the_bad_trials_and_keeps_the_best_run(
 def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     # Optuna samples; each epoch's checkpoint takes a second longer (a test hook), so that
     # Ctrl+C after the first finished trial comes with trials left to run.
-    args = [sys.executable, "-m", "paratrain", "tune", "--strategy", "cpu", "--epochs", "2"]
+    args = ["tune", "--strategy", "cpu", "--epochs", "2"]
     args += ["--space", "lr=loguniform(0.01,0.1)", "--space", "batch_size=choice(32,64)"]
     args += ["--search", "optuna", "--scheduler", "fifo", "--trials", "3", "--max-concurrent"]
     args += ["1", "--no-progress", "--out", "search"]
     env = subprocess_env(PARATRAIN_TEST_STALL_SAVE="1")
-    process = subprocess.Popen(
-        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start_paratrain(*args, cwd=tmp_path, env=env)
     out = tmp_path / "search"
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and process.poll() is None:
@@ -124,13 +121,8 @@ def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     assert finished and len(finished) < 3
     before = {i: (out / "trials" / i / "metrics.jsonl").read_bytes() for i in finished}
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "paratrain", "tune", "--resume", "search", "--no-progress"],
-        cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
+    resumed = run_paratrain(
+        "tune", "--resume", "search", "--no-progress", cwd=tmp_path, timeout=200
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = _report(out)

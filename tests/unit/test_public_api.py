@@ -3,7 +3,7 @@
 ``tests/public_api.txt`` lists ``paratrain.__all__``, the signatures of ``Runtime``'s
 public methods and properties, of ``load_weights`` and ``strategies()``, and the
 subcommands of ``paratrain``. A change that alters one of them fails here; when the change
-is meant, regenerate the listing with ``python tests/test_public_api.py`` and review the
+is meant, regenerate the listing with ``python tests/unit/test_public_api.py`` and review the
 diff like any other.
 """
 
@@ -55,7 +55,7 @@ def test_the_public_api_is_the_listed_one() -> None:
     expected = EXPECTED.read_text()
     actual = listing()
     assert actual == expected, (
-        "the public API changed; if that is meant, run `python tests/test_public_api.py` "
+        "the public API changed; if that is meant, run `python tests/unit/test_public_api.py` "
         "and commit tests/public_api.txt"
     )
 

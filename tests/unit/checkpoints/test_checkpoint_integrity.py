@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from helpers.cli import main_in_process
 
 from paratrain.checkpoints.state import manifest
 from paratrain.checkpoints.state.store import write_checkpoint
@@ -30,8 +31,7 @@ COMMON = (*CPU, "--recipe", "linear", "--batch-size", "100", "--save-every", "2"
 
 
 def _train(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = main(["train", "--no-progress", *argv])
-    err = capsys.readouterr().err
+    code, _, err = main_in_process(capsys, "train", "--no-progress", *argv)
     assert "Traceback" not in err
     return code, err
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.cli import main_in_process
 from safetensors.torch import save_file
 from torch import nn
 
 import paratrain
 from paratrain.checkpoints.files import read_checkpoint
 from paratrain.checkpoints.weights import save_weights
-from paratrain.cli.main import main
 from paratrain.utils.errors import UserError
 
 
@@ -45,9 +45,7 @@ def write_malicious(path: Path, marker: Path, how: str) -> None:
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+    return main_in_process(capsys, *argv)
 
 
 def assert_one_line_error(err: str, *fragments: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import main_in_process
 from safetensors.torch import load_file
 from torch import nn
 
@@ -24,10 +25,9 @@ from paratrain.utils.errors import UserError
 
 
 def _train(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> str:
-    code = main(["train", "--no-progress", "--out", str(out), *argv])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    return captured.out
+    code, stdout, err = main_in_process(capsys, "train", "--no-progress", "--out", out, *argv)
+    assert code == 0, err
+    return stdout
 
 
 def _conv_net() -> nn.Module:

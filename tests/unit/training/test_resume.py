@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import cpu_data_parallel
+from helpers.cli import main_in_process
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,7 +32,6 @@ from paratrain.checkpoints.state import (
     restore_rng,
 )
 from paratrain.checkpoints.state.store import latest_checkpoint, write_checkpoint
-from paratrain.cli.main import main
 from paratrain.training import recipes
 from paratrain.training.config import TrainConfig
 from paratrain.utils.errors import UserError
@@ -267,8 +267,8 @@ def dropout_recipe(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def _train(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = main(["train", "--no-progress", *argv])
-    return code, capsys.readouterr().err
+    code, _, err = main_in_process(capsys, "train", "--no-progress", *argv)
+    return code, err
 
 
 def _same_weights(a: Path, b: Path) -> bool:
