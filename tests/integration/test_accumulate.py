@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -14,6 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.checkpoints.weights import unwrap_model
+
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 GLOBAL_BATCH = 24
 ACCUMULATE = 4

@@ -22,6 +22,9 @@ from paratrain.cli.main import main
 from paratrain.runtime.batching import global_batch_size
 from paratrain.utils.errors import UserError
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 TOLERANCE = 1e-5
 
 

@@ -23,6 +23,8 @@ from paratrain.distributed.collective_order import (
 )
 from paratrain.utils.errors import UserError
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 CHECK = "3"  # seconds: the test waits this long, a user 50 by default
 
 

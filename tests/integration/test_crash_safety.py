@@ -22,6 +22,9 @@ from paratrain.checkpoints.files import load_weights
 from paratrain.checkpoints.state import STALL_VARIABLE, list_checkpoints, read_state
 from paratrain.models import DigitsCNN
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 # 23 batches (steps) per epoch, a checkpoint every 4 steps
 SETTINGS = ("--epochs", "1", "--batch-size", "64", "--save-every", "4", "--seed", "1")
 CPU = ("--strategy", "cpu")

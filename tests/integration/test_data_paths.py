@@ -29,6 +29,9 @@ from paratrain.data.paths import _device_unfit, setup_data_path
 from paratrain.data.tensor_data import TensorRows, tensor_rows
 from paratrain.utils.errors import UserError
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 CPU = torch.device("cpu")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 #: automatic epochs, a resume into epoch 5 at batch 2, then automatic again

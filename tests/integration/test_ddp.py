@@ -29,6 +29,9 @@ from paratrain.utils.errors import UserError
 # -- checks made before any process starts -------------------------------------------------
 
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 def test_devices_resolve_to_cpu_processes_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("on a CUDA machine a count means GPUs")

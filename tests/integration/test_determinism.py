@@ -19,6 +19,8 @@ import torch
 from conftest import CLI, subprocess_env
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

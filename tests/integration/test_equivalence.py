@@ -17,6 +17,9 @@ from safetensors.torch import load_file
 
 from paratrain.strategies import strategy_names
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 TOLERANCE = 1e-5
 LAYOUTS = [
     ("ddp", "cpu,cpu"),

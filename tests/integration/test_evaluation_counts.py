@@ -19,6 +19,9 @@ import paratrain
 from paratrain.data.paths import setup_data_path
 from paratrain.training.loop import evaluate
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 CPU = torch.device("cpu")
 #: (samples, evaluation batch): each leaves a last batch of 1 or 2 samples
 SIZES = [(9, 4), (10, 4), (13, 6), (5, 2), (7, 3), (1, 4)]

@@ -25,7 +25,10 @@ from paratrain.launching import heartbeat
 from paratrain.training import run_lock
 from paratrain.utils.errors import UserError
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
 
 
 def _until(condition, seconds: float = 120) -> bool:  # type: ignore[no-untyped-def]

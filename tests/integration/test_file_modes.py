@@ -19,6 +19,8 @@ from paratrain.data.cifar import CIFAR_FILES
 from paratrain.data.download import MD5_ENV, URL_ENV, download_cifar10
 from paratrain.utils.atomic import atomic_write_text, current_umask
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def test_current_umask_reads_without_changing_it() -> None:
     previous = os.umask(0o027)

@@ -29,6 +29,9 @@ from paratrain.utils.errors import UserError
 WIDTH, DEPTH = 64, 4
 
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 def test_default_blocks_are_the_repeated_layers() -> None:
     gpt = GPT(width=32, depth=3)
     assert {id(b) for b in choose_blocks(gpt)} == {id(b) for b in gpt.blocks}

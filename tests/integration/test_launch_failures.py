@@ -18,6 +18,8 @@ import paratrain
 from paratrain.cli.main import main
 from paratrain.utils.errors import LaunchError, UserError
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie waiting to be reaped is not)."""

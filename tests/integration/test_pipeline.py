@@ -23,6 +23,8 @@ from paratrain.strategies.pipeline_plan import plan_stages
 from paratrain.tools.bench.combos import enumerate_combos
 from paratrain.utils.errors import UserError
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def _keys(stages: list[nn.Module]) -> list[list[str]]:
     return [sorted({key.rsplit(".", 1)[0] for key in stage.state_dict()}) for stage in stages]

@@ -21,6 +21,9 @@ from paratrain.distributed.collective_order import CHECK_VARIABLE
 from paratrain.utils.errors import LaunchError
 
 SAMPLES, BATCH, EPOCHS = 44, 8, 2
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 TEST_SAMPLES = 21  # the last evaluation batch (5) splits unevenly
 
 

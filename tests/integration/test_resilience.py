@@ -20,6 +20,9 @@ from safetensors.torch import load_file
 from paratrain.cli.main import main
 from paratrain.launching.launch import free_port
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
+
 CPU2 = ["--strategy", "ddp", "--devices", "cpu,cpu"]
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -28,6 +29,9 @@ from paratrain.runtime.agreement import StepAgreement
 from paratrain.training.config import TrainConfig
 from paratrain.training.loop import train
 from paratrain.training.recipes import get_recipe
+
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 AGREEMENT = 10  # the agreement's numbers (paratrain.runtime.agreement)
 GRADIENTS = 6 * 8 + 8 + 8 * 1 + 1  # the model's parameters: DDP's one bucket
