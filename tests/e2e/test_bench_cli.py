@@ -144,6 +144,7 @@ def test_out_of_memory_is_a_result_and_the_rest_still_runs(
     assert not (out / "bench.png").exists()
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_earlier_bench_and_its_chart(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -197,6 +197,7 @@ def test_inspect_a_real_run_directory(tmp_path: Path, cli: Run) -> None:
     assert report["training_state"]["world_size"] == 1
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_from_a_real_process(tmp_path: Path, paratrain_cli: Any) -> None:
     bad = tmp_path / "broken.pt"
     torch.save(net().state_dict(), bad)

@@ -53,6 +53,7 @@ def test_help_lists_strategies_from_the_registry(capsys: pytest.CaptureFixture[s
         assert name in out
 
 
+@pytest.mark.slow
 def test_digits_default_run_writes_the_output_contract(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -76,6 +77,7 @@ def test_digits_default_run_writes_the_output_contract(
     assert config["versions"]["torch"] == torch.__version__
 
 
+@pytest.mark.slow
 def test_without_out_a_run_goes_to_runs_recipe_and_time(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,6 +90,7 @@ def test_without_out_a_run_goes_to_runs_recipe_and_time(
     assert str(Path("runs") / run.name) in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_same_seed_gives_bit_identical_weights(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -105,6 +108,7 @@ def test_linear_recipe(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     assert weights["weight"].shape == (1, 10)
 
 
+@pytest.mark.slow
 def test_cifar_recipe_on_synthetic_data(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     argv = (*CPU, "--recipe", "cifar10-resnet18", "--synthetic", "40", "--epochs", "1")
     code, _, _ = train(capsys, tmp_path / "syn", *argv, "--batch-size", "8", "--cifar-stem")
@@ -114,6 +118,7 @@ def test_cifar_recipe_on_synthetic_data(capsys: pytest.CaptureFixture[str], tmp_
     assert weights["fc.weight"].shape == (10, 512)
 
 
+@pytest.mark.slow
 def test_cifar_recipe_from_a_data_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     write_fake_cifar_batches(tmp_path / "cifar", n_per_batch=8)
     argv = (*CPU, "--recipe", "cifar10-resnet18", "--data-dir", str(tmp_path / "cifar"))
@@ -169,6 +174,7 @@ def test_missing_cifar_files_are_named(capsys: pytest.CaptureFixture[str], tmp_p
     assert "data_batch_1" in err and "test_batch" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_finished_run_is_not_overwritten_without_overwrite(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -235,6 +241,7 @@ def test_out_that_is_a_file_is_refused(capsys: pytest.CaptureFixture[str], tmp_p
     assert target.read_text() == "keep"
 
 
+@pytest.mark.slow
 def test_console_script_and_module_entry_points(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = run_paratrain("train", "--strategy", "nope", env=env)

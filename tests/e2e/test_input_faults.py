@@ -107,6 +107,7 @@ def test_load_quantized_on_random_bytes_gives_no_unsafe_advice(tmp_path: Path) -
     assert "weights_only" not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_resuming_with_another_strategy_drops_the_options_of_the_first(
     finished: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -79,6 +79,7 @@ def test_the_threads_set_for_started_processes_are_said_unless_the_user_chose() 
     assert started_note(choose_threads(8, 2, requested=2), 2) is None  # --threads
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_gets_no_error(tmp_path: Path) -> None:
     """`paratrain recipes | head -1`: stdout is a pipe whose reader is gone. No "error:
     Broken pipe", no traceback at exit; exit code 141, as after SIGPIPE."""

@@ -60,7 +60,14 @@ def _name(index: int) -> str:
     return f"{page} block {[p for p, _, _ in BLOCKS[:index]].count(page)}"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=_name)
+def _param(index: int) -> object:
+    """The block's index; marked slow where the block starts processes (a script, Ray)."""
+    _, marker, code = BLOCKS[index]
+    starts_processes = marker.split(";")[0].strip() == "script" or "import ray" in code
+    return pytest.param(index, marks=pytest.mark.slow) if starts_processes else index
+
+
+@pytest.mark.parametrize("index", [_param(i) for i in range(len(BLOCKS))], ids=_name)
 def test_readme_python_example_runs(index: int, tmp_path: Path) -> None:
     _, marker, code = BLOCKS[index]
     mode, style = _mode(marker)

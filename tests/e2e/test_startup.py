@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import paratrain
 from paratrain.cli.commands import COMMAND_MODULES
 from paratrain.strategies import describe_strategies
@@ -75,12 +77,14 @@ def _child(code: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_every_help_is_printed_without_importing_torch() -> None:
     result = json.loads(_child(_HELP_CHILD, json.dumps(HELPS)))
     assert result["failed"] == []
     assert result["loaded"] == []
 
 
+@pytest.mark.slow
 def test_import_paratrain_loads_no_slow_torch_subsystem() -> None:
     loaded = json.loads(_child(_IMPORT_CHILD))
     assert "torch" in loaded  # the public names were really imported

@@ -242,6 +242,7 @@ def _full_file(tensors: object, filename: str, metadata: object = None) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.mark.slow
 def test_a_disk_full_while_writing_then_a_resume_after_freeing_space(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

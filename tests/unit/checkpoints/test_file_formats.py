@@ -63,6 +63,7 @@ MISLEADING = {
 
 
 @pytest.mark.parametrize("case", list(MISLEADING))
+@pytest.mark.slow
 def test_safetensors_whose_first_bytes_look_like_torch_is_read_as_safetensors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:

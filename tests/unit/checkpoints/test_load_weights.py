@@ -247,6 +247,7 @@ def test_a_compiled_submodule_loads_into_a_plain_one() -> None:
     assert_same_weights(target.enc, ref)
 
 
+@pytest.mark.slow
 def test_a_module_is_a_source_too() -> None:
     target = fresh()
     paratrain.load_weights(target, nn.DataParallel(reference()))

@@ -237,6 +237,7 @@ def test_synthetic_rejects_empty(n: int) -> None:
         synthetic_cifar10(n)
 
 
+@pytest.mark.slow
 def test_no_torchvision_or_sklearn_imported() -> None:
     # A fresh interpreter, so imports made by other tests cannot hide or fake the result.
     code = (

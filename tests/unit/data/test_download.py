@@ -218,6 +218,7 @@ def test_existing_batches_need_no_source(tmp_path: Path, monkeypatch: pytest.Mon
     assert download_cifar10(tmp_path) == tmp_path
 
 
+@pytest.mark.slow
 def test_train_download_into_the_cache(
     server: Server,
     tmp_path: Path,

@@ -133,6 +133,7 @@ def _threads_seen(rt: paratrain.Runtime) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_spawned_processes_start_with_the_chosen_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -173,6 +174,7 @@ def _train(out: Path, steps: int, *extra: str) -> dict[str, Any]:
     return dict(json.loads((out / "config.json").read_text())["runtime"]["threads"])
 
 
+@pytest.mark.slow
 def test_a_busy_machine_gets_fewer_threads_recorded_and_kept_on_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -219,6 +221,7 @@ def test_a_busy_machine_gets_fewer_threads_recorded_and_kept_on_resume(
     assert later.count("since this run started: it keeps its 2 intra-op threads") == 1, later
 
 
+@pytest.mark.slow
 def test_the_command_waits_passively_on_a_busy_machine_a_script_keeps_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -42,6 +42,7 @@ def test_weights_depend_on_seed_and_name_not_on_order_or_parts() -> None:
     assert 0.015 < whole.position.std().item() < 0.025
 
 
+@pytest.mark.slow
 def test_resnet_gets_its_constructor_initialisation_and_keeps_the_generator() -> None:
     """--strategy cpu: ResNet's Kaiming convolutions and BatchNorm ones and zeros, through
     the Runtime; the global generator is where it was."""

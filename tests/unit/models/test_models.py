@@ -142,6 +142,7 @@ def _shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
 
 
+@pytest.mark.slow
 def test_resnet18_matches_torchvision_state_dict() -> None:
     model = resnet18(num_classes=10)
     assert len(TORCHVISION_RESNET18_KEYS) == 122
@@ -158,6 +159,7 @@ def test_cifar_stem_keeps_key_names() -> None:
     assert isinstance(model.maxpool, nn.Identity)
 
 
+@pytest.mark.slow
 def test_resnet18_load_state_dict_strict() -> None:
     a, b = resnet18(), resnet18()
     b.load_state_dict(a.state_dict(), strict=True)
@@ -166,6 +168,7 @@ def test_resnet18_load_state_dict_strict() -> None:
 
 
 @pytest.mark.parametrize("cifar_stem", [False, True])
+@pytest.mark.slow
 def test_resnet18_forward_shape(cifar_stem: bool) -> None:
     torch.manual_seed(0)
     model = resnet18(num_classes=10, cifar_stem=cifar_stem).eval()
@@ -175,6 +178,7 @@ def test_resnet18_forward_shape(cifar_stem: bool) -> None:
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.slow
 def test_resnet18_num_classes() -> None:
     model = resnet18(num_classes=7)
     assert model.fc.out_features == 7

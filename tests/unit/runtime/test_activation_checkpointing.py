@@ -32,6 +32,7 @@ def _same(a: nn.Module, b: nn.Module) -> float:
     return max((first[k].double() - second[k].double()).abs().max().item() for k in first)
 
 
+@pytest.mark.slow
 def test_same_weights_and_batchnorm_statistics_on_cpu() -> None:
     """--strategy cpu: tiny-gpt (dropout: the rerun draws the same masks) and ResNet-18
     (BatchNorm: statistics counted once) train to the same state with and without."""
@@ -51,6 +52,7 @@ def test_same_weights_and_batchnorm_statistics_on_cpu() -> None:
         assert len(marked) >= 2  # the blocks: tiny-gpt's two, ResNet's four layers
 
 
+@pytest.mark.slow
 def test_plan_shows_the_memory_saved() -> None:
     """--strategy cpu tracing: checkpointing tiny-gpt's blocks lowers the activations at the
     peak (the figure `paratrain plan --activation-checkpointing` shows)."""

@@ -38,6 +38,7 @@ def _eager_grads(net: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in net.named_parameters()}
 
 
+@pytest.mark.slow
 def test_agreeing_gradients_keep_the_compiled_model_and_a_fault_falls_back(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -69,6 +70,7 @@ def test_agreeing_gradients_keep_the_compiled_model_and_a_fault_falls_back(
         _step(rt, _mlp(), x)
 
 
+@pytest.mark.slow
 def test_the_inductor_bug_on_convolutions_falls_back_to_eager(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -94,6 +96,7 @@ def test_the_inductor_bug_on_convolutions_falls_back_to_eager(
     assert bool(grads["0.weight"].abs().sum() > 0)  # the step trained them after all
 
 
+@pytest.mark.slow
 def test_ddp_compares_with_averaged_eager_gradients() -> None:
     """ddp on cpu (one gloo process): the compiled DDP(model) agrees with eager."""
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))

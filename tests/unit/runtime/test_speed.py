@@ -68,6 +68,7 @@ def test_compile_refusals_are_one_line(
         paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", compile=True, seed=0)
 
 
+@pytest.mark.slow
 def test_compiled_run_keeps_plain_names_and_counts_its_graphs(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -97,6 +98,7 @@ def test_compiled_run_keeps_plain_names_and_counts_its_graphs(
     assert all(torch.equal(compiled[k], resumed[k]) for k in compiled)
 
 
+@pytest.mark.slow
 def test_compiled_forward_runs_under_bf16_autocast() -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -118,6 +120,7 @@ def test_compiled_forward_runs_under_bf16_autocast() -> None:
     assert set(plain_state_dict(model)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
+@pytest.mark.slow
 def test_ddp_compiles_the_wrapped_model_and_still_skips_gradient_sync() -> None:
     torch.manual_seed(0)
     net, x = nn.Linear(3, 1), torch.randn(4, 3)

@@ -26,6 +26,7 @@ def _train_digits(out: Path, *strategy: str) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_digits_weights_match_cpu_after_50_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -81,6 +82,7 @@ def _user_loop(strategy: str, devices: str | None) -> tuple[nn.Module, paratrain
     return model, rt
 
 
+@pytest.mark.slow
 def test_user_loop_with_dict_outputs_and_kwargs_matches_cpu() -> None:
     reference, _ = _user_loop("cpu", None)
     model, rt = _user_loop("dp-balanced", "cpu,cpu,cpu")

@@ -321,6 +321,7 @@ def test_out_refuses_to_replace_a_bench_json(tmp_path: Path) -> None:
         check_out(tmp_path / BENCH_JSON, overwrite=True)
 
 
+@pytest.mark.slow
 def test_chart_is_a_png(tmp_path: Path) -> None:
     assert write_chart(_report(), tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
@@ -377,6 +378,7 @@ def test_micro_benchmarks_run_on_cuda(capsys: pytest.CaptureFixture[str]) -> Non
     assert [r["size"] for r in crossover["rows"]] == [64, 2048]
 
 
+@pytest.mark.slow
 def test_predicted_peaks_stand_next_to_the_measured_ones() -> None:
     """--strategy cpu and ddp on cpu,cpu: paratrain plan's peak per device (fake tensors)."""
     from rich.console import Console

@@ -65,6 +65,7 @@ def _voluntary_switches(pid: int) -> int:
 
 
 @linux_only
+@pytest.mark.slow
 def test_a_waiting_worker_sleeps_until_asked(tmp_path: Path) -> None:
     """Between its windows a worker wakes about once a second (to beat), not 100 times."""
     spec = RunSpec(TaskSource(recipe="linear"), "cpu", None, "32", 8, 3, 1, 1, threads=1)

@@ -23,6 +23,9 @@ pytest.importorskip("torchao")
 CUDA = torch.cuda.is_available()
 
 
+pytestmark = pytest.mark.slow  # every test quantizes a trained run
+
+
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("export") / "digits"

@@ -56,6 +56,7 @@ def test_prediction_within_15_percent_of_the_measured_peak() -> None:
     assert all(abs(error) <= 0.15 for error in errors.values()), errors
 
 
+@pytest.mark.slow
 def test_layouts_split_what_they_split() -> None:
     """--strategy cpu tracing: ddp halves activations, fsdp shards the optimizer state,
     pipeline's first stage holds more activations than its last; a tiny device fits none."""
@@ -75,6 +76,7 @@ def test_layouts_split_what_they_split() -> None:
     assert not {p.layout: p for p in small.layouts}["cuda"].fits
 
 
+@pytest.mark.slow
 def test_pipeline_stages_hold_their_own_layers_and_all_their_gradients() -> None:
     """--strategy cpu tracing, pipeline x2: digits is cut into its convolutions (small) and
     its classifier (most of the parameters); each stage keeps all its gradients."""
@@ -89,6 +91,7 @@ def test_pipeline_stages_hold_their_own_layers_and_all_their_gradients() -> None
     assert first.gradients == first.parameters and last.gradients == last.parameters
 
 
+@pytest.mark.slow
 def test_pipeline_activations_sit_in_the_stage_whose_layers_make_them() -> None:
     """--strategy cpu tracing, pipeline x2: a wide block (large activations) and a narrow
     one, in both orders; the stage holding the wide block holds most of the activations
@@ -130,6 +133,7 @@ def test_pipeline_activations_sit_in_the_stage_whose_layers_make_them() -> None:
             assert last.activations > 2 * first.activations
 
 
+@pytest.mark.slow
 def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
     """`paratrain plan --accelerator cpu` (cpu, cpu,cpu): JSON with every kind of memory per
     device and the memory activation checkpointing saves; a size it cannot read is one line

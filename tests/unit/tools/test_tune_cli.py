@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import subprocess_env
 
 from paratrain.runtime.facade import Runtime
@@ -38,6 +39,7 @@ def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2_before_ray_is_even_imported(
     tmp_path: Path,
 ) -> None:
@@ -62,6 +64,7 @@ print(codes, "ray" in sys.modules)
     assert not (tmp_path / "search").exists()
 
 
+@pytest.mark.slow
 def test_without_ray_the_command_says_how_to_get_it(tmp_path: Path) -> None:
     code = """
 import sys
@@ -76,6 +79,7 @@ sys.exit(main(["tune", "--space", "lr=choice(0.1)", "--out", "search"]))
     assert not (tmp_path / "search").exists()
 
 
+@pytest.mark.slow
 def test_optuna_missing_is_named_before_ray_starts(tmp_path: Path) -> None:
     code = """
 import sys
@@ -88,6 +92,7 @@ sys.exit(main(["tune", "--space", "lr=loguniform(0.01,0.1)", "--search", "optuna
     assert 'needs Optuna: pip install "paratrain[tune-optuna]"' in result.stderr
 
 
+@pytest.mark.slow
 def test_an_existing_search_is_not_replaced_without_overwrite(tmp_path: Path) -> None:
     (tmp_path / "search").mkdir()
     (tmp_path / "search" / "tune.json").write_text("{}", encoding="utf-8")
@@ -102,6 +107,7 @@ sys.exit(main(["tune", "--space", "lr=choice(0.1)", "--out", "search"]))
     assert (tmp_path / "search" / "tune.json").read_text(encoding="utf-8") == "{}"
 
 
+@pytest.mark.slow
 def test_on_epoch_is_called_after_every_epoch_with_its_figures(tmp_path: Path) -> None:
     records: list[dict[str, Any]] = []
     cfg = TrainConfig(recipe="linear", strategy="cpu", epochs=3, progress=False)

@@ -105,6 +105,7 @@ def test_a_failed_background_write_is_raised_by_the_next_save(tmp_path: Path) ->
         saver.save(0, 2, 2)
 
 
+@pytest.mark.slow
 def test_timings_and_summary_report_the_loop_costs(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

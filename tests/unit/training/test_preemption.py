@@ -73,6 +73,7 @@ COMMON = ("train", "--strategy", "cpu", "--batch-size", "64", "--max-steps", "30
 COMMON += ("--no-progress", "--save-every", "10")
 
 
+@pytest.mark.slow
 def test_a_signal_at_a_random_step_then_the_same_command_ends_bit_identical(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -136,6 +136,7 @@ def _own_loop(path: Path, stop_after: int | None, resume: bool) -> dict[str, tor
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_rt_save_and_load_resume_a_users_loop_exactly(tmp_path: Path) -> None:
     reference = _own_loop(tmp_path / "a.pt", None, resume=False)
     assert _own_loop(tmp_path / "b.pt", stop_after=13, resume=False) == {}
@@ -205,6 +206,7 @@ def _checkpoint_in_each_process(
     return torch.tensor([*expected, *torch.rand(2), at.loss_sum, at.samples, at.step])
 
 
+@pytest.mark.slow
 def test_rt_save_and_load_with_two_processes(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -284,6 +286,7 @@ def _same_weights(a: Path, b: Path) -> bool:
         ("17", ("--accumulate", "2")),  # mid-epoch of the third epoch, 7 steps per epoch
     ],
 )
+@pytest.mark.slow
 def test_run_stopped_at_a_step_resumes_bit_identical(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
@@ -301,6 +304,7 @@ def test_run_stopped_at_a_step_resumes_bit_identical(
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ref_lines  # nothing twice
 
 
+@pytest.mark.slow
 def test_resume_without_generator_states_is_not_exact(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, dropout_recipe: str
 ) -> None:
@@ -317,6 +321,7 @@ def test_resume_without_generator_states_is_not_exact(
     assert not _same_weights(tmp_path / "ref", tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_resume_extends_a_finished_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     common = (*CPU, "--recipe", "linear", "--batch-size", "100")
     assert _train(capsys, "--out", str(tmp_path / "ref"), *common, "--epochs", "3")[0] == 0

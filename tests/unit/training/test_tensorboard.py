@@ -30,6 +30,7 @@ def _eval_lines(run: Path) -> list[dict[str, float]]:
     return [r for r in map(json.loads, lines) if r["split"] == "eval"]
 
 
+@pytest.mark.slow
 def test_train_tensorboard_logs_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     argv = ["train", "--strategy", "cpu", "--epochs", "2", "--lr", "0.05", "--no-progress"]
@@ -59,6 +60,7 @@ def test_no_tensorboard_folder_without_the_flag(
     assert not (run / "tensorboard").exists()
 
 
+@pytest.mark.slow
 def test_overwrite_starts_a_fresh_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     argv = ["train", "--strategy", "cpu", "--max-steps", "2", "--no-progress", "--tensorboard"]
@@ -68,6 +70,7 @@ def test_overwrite_starts_a_fresh_log(tmp_path: Path, capsys: pytest.CaptureFixt
     assert len(scalars(run / "tensorboard")["loss/eval"]) == 1
 
 
+@pytest.mark.slow
 def test_ddp_writes_from_the_main_process_only(tmp_path: Path, paratrain_cli: CLI) -> None:
     run = tmp_path / "ddp"
     done = paratrain_cli(
@@ -113,6 +116,7 @@ def test_missing_tensorboard_is_one_line(
     assert not (tmp_path / "run").exists()  # refused before anything was created
 
 
+@pytest.mark.slow
 def test_resume_may_add_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     argv = ["train", "--strategy", "cpu", "--batch-size", "256", "--no-progress"]

@@ -68,6 +68,7 @@ def test_contention_guard_says_so_once_and_keeps_the_threads(
     assert threads.ContentionGuard(1).check() is None  # one thread: nothing to say
 
 
+@pytest.mark.slow
 def test_metrics_trace_tensorboard_and_mlflow_of_a_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
