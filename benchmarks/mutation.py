@@ -42,51 +42,58 @@ IN_PROCESS = ["-k", "not cli and not real_processes and not gloo_processes"]
 #: name -> (the source files mutated, the test files run against them); smallest and
 #: highest-value first
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "atomic": (["src/paratrain/utils/atomic.py"], ["tests/test_atomic.py"]),
+    "atomic": (["src/paratrain/utils/atomic.py"], ["tests/unit/utils/test_atomic.py"]),
     "precision": (
         ["src/paratrain/devices/precision.py"],
-        ["tests/test_precision.py", "tests/test_runtime.py"],
+        ["tests/unit/devices/test_precision.py", "tests/unit/runtime/test_runtime.py"],
     ),
     "optim": (
         ["src/paratrain/runtime/optim.py"],
         [
-            "tests/test_precision.py",
-            "tests/test_optim_wrapper.py",
-            "tests/test_accumulate.py",
-            "tests/test_runtime.py",
+            "tests/unit/devices/test_precision.py",
+            "tests/unit/runtime/test_optim_wrapper.py",
+            "tests/integration/test_accumulate.py",
+            "tests/unit/runtime/test_runtime.py",
         ],
     ),
-    "batching": (["src/paratrain/runtime/batching.py"], ["tests/test_batch_size_per.py"]),
+    "batching": (
+        ["src/paratrain/runtime/batching.py"],
+        ["tests/integration/test_batch_size_per.py"],
+    ),
     "keys": (
         ["src/paratrain/checkpoints/files/keys.py"],
         [
-            "tests/test_checkpoint_keys.py",
-            "tests/test_load_weights.py",
-            "tests/test_checkpoint_security.py",
+            "tests/unit/checkpoints/test_checkpoint_keys.py",
+            "tests/unit/checkpoints/test_load_weights.py",
+            "tests/unit/checkpoints/test_checkpoint_security.py",
             *IN_PROCESS,
         ],
     ),
     "loaders": (
         ["src/paratrain/data/loaders.py", "src/paratrain/data/batched_loader.py"],
         [
-            "tests/test_loaders.py",
-            "tests/test_device_loader.py",
-            "tests/test_evaluation_counts.py",
-            "tests/test_data_paths.py",
+            "tests/unit/data/test_loaders.py",
+            "tests/unit/data/test_device_loader.py",
+            "tests/integration/test_evaluation_counts.py",
+            "tests/integration/test_data_paths.py",
             *IN_PROCESS,
         ],
     ),
     "data_paths": (
         ["src/paratrain/data/paths.py"],
-        ["tests/test_data_path_rules.py", "tests/test_data_paths.py", *IN_PROCESS],
+        [
+            "tests/unit/data/test_data_path_rules.py",
+            "tests/integration/test_data_paths.py",
+            *IN_PROCESS,
+        ],
     ),
-    "uneven": (["src/paratrain/runtime/uneven.py"], ["tests/test_uneven_join.py"]),
+    "uneven": (["src/paratrain/runtime/uneven.py"], ["tests/unit/runtime/test_uneven_join.py"]),
     "weights": (
         ["src/paratrain/checkpoints/weights.py"],
         [
-            "tests/test_weights.py",
-            "tests/test_load_weights.py",
-            "tests/test_file_formats.py",
+            "tests/unit/checkpoints/test_weights.py",
+            "tests/unit/checkpoints/test_load_weights.py",
+            "tests/unit/checkpoints/test_file_formats.py",
             *IN_PROCESS,
         ],
     ),
@@ -95,11 +102,15 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # there by hand are in tests/mutation/SURVIVORS.md
     "training_state": (
         ["src/paratrain/checkpoints/state/store.py", "src/paratrain/checkpoints/state/manifest.py"],
-        ["tests/test_checkpoint_store.py", "tests/test_checkpoint_integrity.py", *IN_PROCESS],
+        [
+            "tests/unit/checkpoints/test_checkpoint_store.py",
+            "tests/unit/checkpoints/test_checkpoint_integrity.py",
+            *IN_PROCESS,
+        ],
     ),
     "gradient_sync": (
         ["src/paratrain/strategies/ddp.py", "src/paratrain/strategies/distributed.py"],
-        ["tests/test_ddp.py", "tests/test_accumulate.py"],
+        ["tests/integration/test_ddp.py", "tests/integration/test_accumulate.py"],
     ),
 }
 

@@ -15,13 +15,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.cli import CLI, run_paratrain, subprocess_env
 from safetensors.torch import load_file
 from torch import nn
 
@@ -29,6 +29,8 @@ import paratrain
 from paratrain.cli.main import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
 from paratrain.models import DigitsCNN
+
+__all__ = ["CLI", "REPO", "cpu_data_parallel", "subprocess_env"]
 
 REPO = Path(__file__).resolve().parent.parent
 #: the suite's fault injection plug-in (tests/plugins/paratrain_test_faults.py): on the path
@@ -99,38 +101,16 @@ def private_data_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("data-cache"))
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """The test's environment for a child process: no launcher variables, one thread each
-    (two cores shared by several processes), plus ``extra``."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        and (not key.startswith("PARATRAIN_") or key in (CACHE_VARIABLE, BUSY_VARIABLE))
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-CLI = Callable[..., "subprocess.CompletedProcess[str]"]
-
-
 @pytest.fixture
 def paratrain_cli(tmp_path: Path) -> CLI:
     """``paratrain_cli("train", "--strategy", "ddp", ...)`` runs ``python -m paratrain ...``
-    in ``tmp_path`` and returns the finished process (stdout and stderr as text)."""
+    in ``tmp_path`` (``helpers.cli.run_paratrain``) and returns the finished process (stdout and
+    stderr as text)."""
 
     def run(
         *args: str, env: dict[str, str] | None = None, timeout: float = 240
     ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "paratrain", *args],
-            cwd=tmp_path,
-            env=env or subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_paratrain(*args, cwd=tmp_path, env=env, timeout=timeout)
 
     return run
 
@@ -142,13 +122,7 @@ def digits_on_one_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tor
     test_resilience). Read only."""
     out = tmp_path_factory.mktemp("digits-on-one-cpu") / "run"
     args = ["train", "--recipe", "digits", "--strategy", "cpu", "--max-steps", "50"]
-    result = subprocess.run(
-        [sys.executable, "-m", "paratrain", *args, "--no-progress", "--out", str(out)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = run_paratrain(*args, "--no-progress", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return load_file(str(out / "model.safetensors"))
 

@@ -102,7 +102,7 @@ def agent_stores() -> Iterator[None]:
 
     torch (2.13) creates both with ``TCPStore(host, port, is_master=True)``, which binds
     every interface; both are swapped here for :func:`store_server` on the same host.
-    ``tests/test_exposure.py`` fails should a later torch create them elsewhere.
+    ``tests/integration/test_exposure.py`` fails should a later torch create them elsewhere.
     """
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (

@@ -1,6 +1,6 @@
 """The built-in strategies and recipes by name, without importing torch: `paratrain --help`
 builds its parsers from here and starts in a fraction of a second. The strategy classes read
-their descriptions here; tests/test_startup.py checks that the registries list these names."""
+their descriptions here; tests/e2e/test_startup.py checks that the registries list these names."""
 
 from __future__ import annotations
 

@@ -1,0 +1,107 @@
+"""`--compile` checked: the first step's compiled gradients against eager ones.
+
+Devices: `--strategy cpu` in this process (agree, disagree through the test hook, strict,
+and the real torch 2.13 inductor bug on a tiny Conv-ReLU-Conv-ReLU-MaxPool network); `ddp`
+with one gloo process on `cpu` (the layout whose gradients DDP averages). Compiling is slow
+on a CPU: the models are tiny and each shape is compiled once per test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paratrain_test_faults import COMPILE_FAULT_VARIABLE
+from torch import nn
+
+import paratrain
+from paratrain.utils.errors import UserError
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _step(rt: paratrain.Runtime, net: nn.Module, x: torch.Tensor) -> tuple[nn.Module, dict]:
+    """One compiled training step; the model and the gradients it left."""
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    y = torch.arange(len(x)) % 2
+    rt.backward(nn.functional.cross_entropy(model(x), y))
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    optimizer.step()
+    return model, grads
+
+
+def _eager_grads(net: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    net.zero_grad()
+    nn.functional.cross_entropy(net(x), torch.arange(len(x)) % 2).backward()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+@pytest.mark.slow
+def test_agreeing_gradients_keep_the_compiled_model_and_a_fault_falls_back(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--strategy cpu: agree (compiled kept), disagree (eager from the first step), strict."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    rt = paratrain.Runtime(strategy="cpu", compile=True)
+    model, _ = _step(rt, _mlp(), x)
+    check = rt.speed.check
+    assert check is not None and check.state == "agreed" and check.worst[1] < 1e-3
+    assert "gradients agree with eager" in capsys.readouterr().err
+
+    monkeypatch.setenv(COMPILE_FAULT_VARIABLE, "zero-grads")  # compiled first weight: no grad
+    rt = paratrain.Runtime(strategy="cpu", compile=True)
+    net = _mlp()
+    expected = _eager_grads(_mlp(), x)
+    model, grads = _step(rt, net, x)
+    assert rt.speed.check is not None and rt.speed.check.state == "fell back"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "worst: 0.weight, relative difference 1" in err
+    assert "training goes on without compile" in err
+    for name, grad in expected.items():  # the step trained with eager gradients
+        torch.testing.assert_close(grads[name], grad)
+    assert rt.describe()["compile_check"]["state"] == "fell back"
+    with torch.no_grad():  # later forwards run eager: the same outputs, not the compiled ones
+        torch.testing.assert_close(model(x), net(x), rtol=0, atol=0)
+
+    rt = paratrain.Runtime(strategy="cpu", compile="strict")
+    with pytest.raises(UserError, match="--compile strict stops here"):
+        _step(rt, _mlp(), x)
+
+
+@pytest.mark.slow
+def test_the_inductor_bug_on_convolutions_falls_back_to_eager(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--strategy cpu: torch 2.13's CPU inductor gives these convolutions zero gradients."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 10),  # with 10 outputs (not 2) the bug shows
+    )
+    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    rt = paratrain.Runtime(strategy="cpu", compile=True)
+    _, grads = _step(rt, net, x)
+    assert rt.speed.check is not None
+    if rt.speed.check.state == "agreed":
+        pytest.skip(f"torch {torch.__version__} compiles these convolutions correctly")
+    assert rt.speed.check.state == "fell back"
+    assert "worst: 0." in capsys.readouterr().err  # a convolution's parameter
+    assert bool(grads["0.weight"].abs().sum() > 0)  # the step trained them after all
+
+
+@pytest.mark.slow
+def test_ddp_compares_with_averaged_eager_gradients() -> None:
+    """ddp on cpu (one gloo process): the compiled DDP(model) agrees with eager."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu", compile=True)
+    _step(rt, _mlp(), x)
+    assert rt.speed.check is not None and rt.speed.check.state == "agreed"
+    rt.teardown()
+    torch._dynamo.utils.counters.clear()  # compiled DDP's own graph breaks: not the next test's

@@ -1,0 +1,812 @@
+"""`paratrain doctor`: every rule finds its mistake, and its near miss is clean.
+
+Each case is a small script; a line's ``# expect: rule-id`` comment names the findings it
+must produce. A case must produce exactly those (no other rule, no other line), and a
+script without any ``# expect:`` must produce none.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from paratrain.cli.main import main
+from paratrain.tools.doctor import RULES, diagnose, diagnose_source
+
+SCRIPTS = Path(__file__).parents[2] / "doctor_scripts"
+EXPECT = re.compile(r"#\s*expect:\s*([^#]+)")
+
+
+def expected(source: str) -> list[tuple[int, str]]:
+    found = []
+    for number, line in enumerate(source.splitlines(), start=1):
+        if match := EXPECT.search(line):
+            found += [(number, rule.strip()) for rule in match.group(1).strip().split(",")]
+    return sorted(found)
+
+
+def found(source: str) -> list[tuple[int, str]]:
+    return [(f.line, f.rule) for f in diagnose_source(textwrap.dedent(source)).findings]
+
+
+# (rule, script with the mistake, near misses that must be clean)
+CASES: list[tuple[str, str, list[str]]] = [
+    (
+        "set-epoch",
+        """
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler
+        sampler = DistributedSampler(train_set)  # expect: set-epoch
+        loader = DataLoader(train_set, sampler=sampler)
+        for epoch in range(3):
+            for x in loader:
+                pass
+        """,
+        [
+            """
+            from torch.utils.data import DataLoader, DistributedSampler
+            sampler = DistributedSampler(train_set)
+            loader = DataLoader(train_set, sampler=sampler)
+            for epoch in range(3):
+                loader.sampler.set_epoch(epoch)
+                for x in loader:
+                    pass
+            """,
+            """
+            from torch.utils.data import DistributedSampler
+            sampler = DistributedSampler(train_set, shuffle=False)
+            """,
+        ],
+    ),
+    (
+        "ddp-without-sampler",
+        """
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DataLoader
+        model = DistributedDataParallel(net)
+        loader = DataLoader(data, batch_size=32)  # expect: ddp-without-sampler
+        for x, y in loader:
+            model(x).sum().backward()
+        """,
+        [
+            """
+            from torch.nn.parallel import DistributedDataParallel
+            from torch.utils.data import DataLoader
+            model = DistributedDataParallel(net)
+            outputs = [model(x) for x, in DataLoader(data, batch_size=32)]
+            """,
+            """
+            from torch.utils.data import DataLoader
+            loader = DataLoader(data, batch_size=32, shuffle=True)
+            for x, y in loader:
+                model(x).sum().backward()
+            """,
+        ],
+    ),
+    (
+        "eval-distributed-sampler",
+        """
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler as DS
+        val = DataLoader(data, sampler=DS(data, shuffle=False))  # expect: eval-distributed-sampler
+        """,
+        [
+            """
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler as DS
+            train_loader = DataLoader(data, sampler=DS(data, shuffle=False))
+            """,
+        ],
+    ),
+    (
+        "unguarded-output",
+        """
+        import logging
+        import torch
+        import torch.distributed as dist
+        log = logging.getLogger(__name__)
+        dist.init_process_group("gloo")
+        for epoch in range(3):
+            print("epoch", epoch)  # expect: unguarded-output
+            log.info("epoch %d", epoch)  # expect: unguarded-output
+            torch.save(state, "last.pt")  # expect: unguarded-output
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            rank = dist.get_rank()
+            for epoch in range(3):
+                print(f"rank {rank}: epoch {epoch}")
+                if rank == 0:
+                    print("epoch", epoch)
+                    torch.save(state, "last.pt")
+            """,
+            """
+            import torch.distributed as dist
+            def report(epoch):
+                if not dist.get_rank() == 0:
+                    return
+                print(epoch)
+            def log(message):
+                print(message)
+            dist.init_process_group("gloo")
+            report(1)
+            if dist.get_rank() == 0:
+                log("done")
+            """,
+            """
+            import torch.multiprocessing as mp
+            def main(rank):
+                pass
+            if __name__ == "__main__":
+                mp.spawn(main, nprocs=2)
+                print("all processes finished")
+            """,
+            """
+            from accelerate import Accelerator
+            accelerator = Accelerator()
+            accelerator.print("once")
+            if accelerator.is_main_process:
+                print("once too")
+            """,
+            """
+            for epoch in range(3):
+                print("epoch", epoch)
+            """,
+        ],
+    ),
+    (
+        "create-then-move",
+        """
+        import torch
+        x = torch.zeros(3).cuda()  # expect: create-then-move
+        for step in range(10):
+            noise = torch.randn(3, 3).to(device)  # expect: create-then-move
+        """,
+        [
+            """
+            import torch
+            x = torch.zeros(3, device="cuda")
+            y = torch.zeros(3).to(torch.float16)
+            for batch in loader:
+                batch = batch.to(device)
+            """,
+        ],
+    ),
+    (
+        "optimizer-before-move",
+        """
+        import torch
+        def build():
+            model = torch.nn.Linear(2, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            model.to("cuda")  # expect: optimizer-before-move
+        """,
+        [
+            """
+            import torch
+            model = torch.nn.Linear(2, 1)
+            model.to("cuda")
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            other.to("cuda")
+            model.to(torch.float64)
+            """,
+        ],
+    ),
+    (
+        "dataparallel-on-cpu",
+        """
+        from torch import nn
+        model = nn.DataParallel(nn.Linear(2, 1))
+        net = nn.Linear(2, 1)
+        net = nn.DataParallel(net)  # expect: dataparallel-on-cpu
+        """,
+        [
+            """
+            from torch import nn
+            net = nn.Linear(2, 1)
+            net = nn.DataParallel(net).cuda()
+            model = nn.Linear(2, 1).to(device)
+            model = nn.DataParallel(model, device_ids=[0, 1])
+            """,
+        ],
+    ),
+    (
+        "wrapped-state-dict",
+        """
+        import torch
+        from torch import nn
+        model = nn.DataParallel(net.cuda())
+        torch.save(model.state_dict(), "model.pt")  # expect: wrapped-state-dict
+        state = {"model": model.state_dict(), "step": 3}
+        torch.save(state, "model.pt")  # expect: wrapped-state-dict
+        """,
+        [
+            """
+            import torch
+            from torch import nn
+            model = nn.DataParallel(net.cuda())
+            torch.save(model.module.state_dict(), "model.pt")
+            model = model.module
+            torch.save(model.state_dict(), "model.pt")
+            """,
+            """
+            import torch
+            from accelerate import Accelerator
+            accelerator = Accelerator()
+            optimizer = torch.optim.SGD(model.parameters())
+            model, optimizer = accelerator.prepare(model, optimizer)
+            accelerator.save(optimizer.state_dict(), "optimizer.pt")
+            accelerator.save(accelerator.unwrap_model(model).state_dict(), "model.pt")
+            """,
+        ],
+    ),
+    (
+        "sync-every-step",
+        """
+        import torch
+        model = torch.nn.Linear(2, 1).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        total = 0.0
+        for x, y in loader:
+            out = model(x)
+            loss = ((out - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            total += loss.item()  # expect: sync-every-step
+            print(out)  # expect: sync-every-step
+        """,
+        [
+            """
+            import torch
+            model = torch.nn.Linear(2, 1).cuda()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step, (x, y) in enumerate(loader):
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                optimizer.step()
+                if step % 100 == 0:
+                    print(loss.item())
+            print(loss.item())
+            """,
+            """
+            import torch
+            model = torch.nn.Linear(2, 1)
+            for x, y in loader:
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                print(loss.item())
+            """,
+        ],
+    ),
+    (
+        "spawn-without-main-guard",
+        """
+        import torch.multiprocessing as mp
+        def main(rank):
+            pass
+        def run():
+            mp.spawn(main, nprocs=2)
+        mp.spawn(main, nprocs=2)  # expect: spawn-without-main-guard
+        run()  # expect: spawn-without-main-guard
+        """,
+        [
+            """
+            import torch.multiprocessing as mp
+            def main(rank):
+                pass
+            def run():
+                mp.spawn(main, nprocs=2)
+            if __name__ == "__main__":
+                run()
+            """,
+            """
+            def spawn(fn, nprocs):
+                fn(0)
+            spawn(print, nprocs=2)
+            """,
+        ],
+    ),
+    (
+        "fixed-port",
+        """
+        import os
+        import torch.distributed as dist
+        PORT = 29500
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:23456")  # expect: fixed-port
+        dist.init_process_group("gloo", init_method=f"tcp://localhost:{PORT}")  # expect: fixed-port
+        os.environ["MASTER_PORT"] = "12355"  # expect: fixed-port
+        """,
+        [
+            """
+            import os
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method="env://")
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}")
+            dist.init_process_group("gloo", init_method="tcp://10.0.0.1:23456")
+            os.environ["MASTER_PORT"] = str(free_port())
+            """,
+        ],
+    ),
+    (
+        "loader-workers",
+        """
+        from torch.utils.data import DataLoader
+        from torchvision import datasets
+        images = datasets.ImageFolder("train")
+        loader = DataLoader(images, batch_size=64, pin_memory=True)  # expect: loader-workers
+        for x in loader:
+            x = x.cuda(non_blocking=True)
+        """,
+        [
+            """
+            from torch.utils.data import DataLoader, TensorDataset
+            loader = DataLoader(TensorDataset(x, y), batch_size=64)
+            for x in loader:
+                x = x.cuda()
+            """,
+            """
+            from torch.utils.data import DataLoader
+            loader = DataLoader(images, batch_size=64)
+            """,
+        ],
+    ),
+    (
+        "collective-under-guard",
+        """
+        import torch
+        import torch.distributed as dist
+        import paratrain
+        dist.init_process_group("gloo")
+        rt = paratrain.Runtime(strategy="ddp")
+        total = torch.zeros(1)
+        if dist.get_rank() == 0:
+            dist.all_reduce(total)  # expect: collective-under-guard
+        if rt.is_main:
+            rt.save("last.pt", {"step": 1})  # expect: collective-under-guard
+        def report(value):
+            dist.barrier()
+        def finish():
+            if dist.get_rank() != 0:
+                return
+            report(total)  # expect: collective-under-guard
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            import paratrain
+            dist.init_process_group("gloo")
+            rt = paratrain.Runtime(strategy="ddp")
+            total = torch.zeros(1)
+            dist.all_reduce(total)
+            rt.save("last.pt", {"step": 1})
+            if dist.get_rank() == 0:
+                print(total)
+            if not distributed or dist.get_rank() == 0:
+                dist.barrier()
+            if args.local_rank == -1:
+                dist.barrier()
+            """,
+        ],
+    ),
+    (
+        "metric-without-reduce",
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler
+        dist.init_process_group("gloo")
+        sampler = DistributedSampler(test_set, shuffle=False, drop_last=True)
+        test_loader = DataLoader(test_set, sampler=sampler)
+        def evaluate(model):
+            correct, total = 0, 0
+            with torch.no_grad():
+                for x, y in test_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += len(y)
+            accuracy = correct / total
+            print(f"accuracy {accuracy:.3f}")  # expect: metric-without-reduce
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            from torch.utils.data import DataLoader, DistributedSampler
+            dist.init_process_group("gloo")
+            sampler = DistributedSampler(test_set, shuffle=False, drop_last=True)
+            test_loader = DataLoader(test_set, sampler=sampler)
+            def evaluate(model):
+                correct = torch.zeros(1)
+                with torch.no_grad():
+                    for x, y in test_loader:
+                        correct += (model(x).argmax(1) == y).sum()
+                dist.all_reduce(correct)
+                print(f"correct {correct.item()}")
+            def train(model):
+                total = 0.0
+                for x, y in test_loader:
+                    loss = model(x).sum()
+                    loss.backward()
+                    total += loss.item()
+                print(total)
+            """,
+            """
+            import paratrain
+            def main(rt):
+                loader = rt.setup_loader(test_loader, evaluation=True)
+                correct = 0
+                for x, y in loader:
+                    correct += (model(x).argmax(1) == y).sum()
+                rt.print(rt.all_reduce(correct))
+            rt = paratrain.Runtime(strategy="ddp")
+            if __name__ == "__main__":
+                rt.launch(main)
+            loader = rt.setup_loader(test_loader, evaluation=True)
+            correct = 0
+            for x, y in loader:
+                correct += (model(x).argmax(1) == y).sum()
+            rt.print(rt.all_reduce(correct))
+            """,
+        ],
+    ),
+    (
+        "rank-guard-flag",
+        """
+        import torch
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        def save_checkpoint(state, filename="checkpoint.pt"):
+            torch.save(state, filename)
+        def worker(gpu, args):
+            dist.init_process_group("nccl", rank=args.rank)
+            if not args.multiprocessing_distributed or args.rank % 8 == 0:
+                save_checkpoint({"epoch": 1})  # expect: rank-guard-flag
+        if __name__ == "__main__":
+            if args.multiprocessing_distributed:
+                mp.spawn(worker, nprocs=8, args=(args,))
+            else:
+                worker(args.gpu, args)
+        """,
+        [
+            """
+            import torch
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            def worker(gpu, args):
+                dist.init_process_group("nccl", rank=args.rank)
+                if not args.distributed or dist.get_rank() == 0:
+                    torch.save({"epoch": 1}, "checkpoint.pt")
+            if __name__ == "__main__":
+                if args.multiprocessing_distributed:
+                    mp.spawn(worker, nprocs=8, args=(args,))
+                else:
+                    worker(args.gpu, args)
+            """,
+        ],
+    ),
+    (
+        "compiled-state-dict",
+        """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = GPT(config)
+        if compile:
+            model = torch.compile(model)
+        if ddp:
+            model = DDP(model, device_ids=[0])
+        raw_model = model.module if ddp else model
+        checkpoint = {"model": raw_model.state_dict(), "iter": 1}
+        if master_process:
+            torch.save(checkpoint, "ckpt.pt")  # expect: compiled-state-dict
+        """,
+        [
+            """
+            import torch
+            model = GPT(config)
+            compiled = torch.compile(model)
+            torch.save(model.state_dict(), "ckpt.pt")
+            torch.save(compiled._orig_mod.state_dict(), "ckpt.pt")
+            model.compile()
+            torch.save(model.state_dict(), "ckpt.pt")
+            """,
+        ],
+    ),
+    (
+        "clip-before-unscale",
+        """
+        import torch
+        scaler = torch.cuda.amp.GradScaler()
+        for x, y in loader:
+            scaler.scale(model(x).sum()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # expect: clip-before-unscale
+            scaler.step(optimizer)
+            scaler.update()
+        """,
+        [
+            """
+            import torch
+            scaler = torch.amp.GradScaler("cuda")
+            for x, y in loader:
+                if use_amp:
+                    scaler.scale(model(x).sum()).backward()
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(optimizer)
+                else:
+                    model(x).sum().backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+            """,
+        ],
+    ),
+    (
+        "local-rank-as-rank",
+        """
+        import os
+        import torch.distributed as dist
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dist.init_process_group("nccl", rank=local_rank)  # expect: local-rank-as-rank
+        dist.init_process_group("nccl", rank=args.local_rank)  # expect: local-rank-as-rank
+        """,
+        [
+            """
+            import os
+            import torch.distributed as dist
+            import torch.multiprocessing as mp
+            def main(local_rank, world_size):
+                dist.init_process_group("nccl", rank=local_rank, world_size=world_size)
+            dist.init_process_group("nccl", rank=int(os.environ["RANK"]), world_size=8)
+            if __name__ == "__main__":
+                mp.spawn(main, nprocs=2, args=(2,))
+            """,
+        ],
+    ),
+    (
+        "eval-padded-loader",
+        """
+        import lightning as L
+        fabric = L.Fabric(devices=2)
+        train, test_loader = fabric.setup_dataloaders(a, test_loader)  # expect: eval-padded-loader
+        """,
+        [
+            """
+            import lightning as L
+            fabric = L.Fabric(devices=2)
+            train_loader = fabric.setup_dataloaders(train_loader)
+            test_loader = fabric.setup_dataloaders(test_loader, use_distributed_sampler=False)
+            """,
+            """
+            from accelerate import Accelerator
+            accelerator = Accelerator()
+            model, eval_dataloader = accelerator.prepare(model, eval_dataloader)
+            for batch in eval_dataloader:
+                predictions = accelerator.gather_for_metrics(model(batch))
+            """,
+        ],
+    ),
+    (
+        "loader-pin-memory",
+        """
+        from torch.utils.data import DataLoader
+        loader = DataLoader(images, batch_size=64, num_workers=4)  # expect: loader-pin-memory
+        for x in loader:
+            x = x.to("cuda")
+        """,
+        [
+            """
+            from torch.utils.data import DataLoader
+            import paratrain
+            rt = paratrain.Runtime(strategy="cuda")
+            loader = rt.setup_loader(DataLoader(images, batch_size=64, num_workers=4))
+            """,
+        ],
+    ),
+]
+
+
+# Shapes real scripts are written in (the corpus in doctor_scripts/real/): each must give
+# exactly its `# expect:` findings, and none where there is no `# expect:`.
+SHAPES: dict[str, str] = {
+    "save through a helper, wrapped in branches and a call chain (imagenet)": """
+        import torch
+        def save_checkpoint(state, is_best, filename="checkpoint.pth.tar"):
+            torch.save(state, filename)
+        def build(args):
+            model = make_model()
+            if args.distributed:
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            elif args.gpu is not None:
+                model = model.cuda(args.gpu)
+            else:
+                model = torch.nn.DataParallel(model).cuda()
+            state = {"state_dict": model.state_dict(), "epoch": 1}
+            save_checkpoint(state, True)  # expect: wrapped-state-dict
+        """,
+    "wrapped in __init__, saved in another method (DDP tutorial's Trainer)": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class Trainer:
+            def __init__(self, model, gpu_id):
+                self.model = DDP(model.to(gpu_id), device_ids=[gpu_id])
+                self.gpu_id = gpu_id
+            def save(self):
+                if self.gpu_id == 0:
+                    torch.save(self.model.state_dict(), "ckpt.pt")  # expect: wrapped-state-dict
+            def save_plain(self):
+                if self.gpu_id == 0:
+                    torch.save(self.model.module.state_dict(), "checkpoint.pt")
+                    raw = self.model.module if hasattr(self.model, "module") else self.model
+                    torch.save({"model": raw.state_dict()}, "snapshot.pt")
+        """,
+    "DataParallel of a submodule, then the whole model moved (imagenet's alexnet/vgg)": """
+        import torch
+        model = make_model()
+        model.features = torch.nn.DataParallel(model.features)
+        model.cuda()
+        """,
+    "evaluation sampler with drop_last=True, the tail evaluated apart (imagenet)": """
+        import torch
+        from torch.utils.data import DataLoader, DistributedSampler
+        val_sampler = DistributedSampler(val_dataset, shuffle=False, drop_last=True)
+        val_loader = DataLoader(val_dataset, sampler=val_sampler, num_workers=4, pin_memory=True)
+        """,
+    "print in the launcher, before horovod.run starts the workers (Horovod's mnist)": """
+        import horovod
+        import horovod.torch as hvd
+        def main(args):
+            hvd.init()
+            print("training")  # expect: unguarded-output
+        if __name__ == "__main__":
+            if args.num_proc:
+                print("Running training through horovod.run")
+                horovod.run(main, args=(args,), np=args.num_proc)
+            else:
+                main(args)
+        """,
+    "Trainer methods print on every rank and sync every step (minGPT's trainer)": """
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class Trainer:
+            def __init__(self, model, local_rank):
+                self.local_rank = local_rank
+                self.model = DDP(model.to(local_rank), device_ids=[local_rank])
+                self._load_snapshot()
+            def _load_snapshot(self):
+                print("Snapshot not found. Training model from scratch")  # expect: unguarded-output
+            def _run_batch(self, source, targets):
+                loss = self.model(source, targets)
+                loss.backward()
+                return loss.item()  # expect: sync-every-step
+            def _run_epoch(self, loader):
+                for source, targets in loader:
+                    source = source.to(self.local_rank)
+                    batch_loss = self._run_batch(source, targets)
+            def train(self, loader):
+                for epoch in range(10):
+                    self._run_epoch(loader)
+                    if self.local_rank == 0:
+                        print("epoch done")
+        def main():
+            dist.init_process_group("nccl")
+            trainer = Trainer(make_model(), int(os.environ["LOCAL_RANK"]))
+            trainer.train(make_loader())
+        if __name__ == "__main__":
+            main()
+        """,
+    "paratrain evaluation loader: each sample once, but each process sums its share": """
+        import paratrain
+        def main(rt):
+            loader = rt.setup_loader(test_loader, evaluation=True)
+            correct = 0
+            for x, y in loader:
+                correct += (model(x).argmax(1) == y).sum()
+            rt.print("accuracy", correct / 10_000)  # expect: metric-without-reduce
+        if __name__ == "__main__":
+            paratrain.Runtime(strategy="ddp", devices="cpu,cpu").launch(main)
+        """,
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_real_script_shapes(shape: str) -> None:
+    source = textwrap.dedent(SHAPES[shape])
+    assert found(source) == expected(source)
+
+
+def test_every_rule_has_a_case() -> None:
+    assert sorted(rule for rule, _, _ in CASES) == sorted(rule.id for rule in RULES)
+
+
+@pytest.mark.parametrize(("rule", "bad", "near_misses"), CASES, ids=[c[0] for c in CASES])
+def test_rule_finds_its_mistake_and_not_its_near_miss(
+    rule: str, bad: str, near_misses: list[str]
+) -> None:
+    source = textwrap.dedent(bad)
+    want = expected(source)
+    assert want and {r for _, r in want} == {rule}
+    assert found(source) == want
+    for clean in near_misses:
+        assert found(clean) == [], clean
+
+
+@pytest.mark.parametrize(
+    ("name", "style", "findings"),
+    [
+        ("seed004_ddp.py", "ddp", [(37, "fixed-port"), (76, "loader-pin-memory")]),
+        ("seed000_cuda.py", "plain", [(11, "create-then-move"), (12, "create-then-move")]),
+        ("seed000_dataparallel.py", "dataparallel", [(9, "dataparallel-on-cpu")]),
+        ("ddp_mistakes.py", "ddp", expected((SCRIPTS / "ddp_mistakes.py").read_text())),
+        ("ddp_clean.py", "ddp", []),
+    ],
+)
+def test_seed_style_scripts(name: str, style: str, findings: list[tuple[int, str]]) -> None:
+    diagnosis = diagnose(SCRIPTS / name)
+    assert diagnosis.style.name == style
+    assert [(f.line, f.rule) for f in diagnosis.findings] == findings
+
+
+def test_ddp_mistakes_covers_most_rules() -> None:
+    rules = {rule for _, rule in expected((SCRIPTS / "ddp_mistakes.py").read_text())}
+    assert len(rules) == 11
+
+
+@pytest.mark.parametrize(
+    ("source", "style"),
+    [
+        ("import torch\nmodel = torch.nn.Linear(2, 1)", "plain"),
+        ("from torch import nn\nm = nn.DataParallel(net)", "dataparallel"),
+        ("import torch.distributed as dist\ndist.init_process_group('nccl')", "ddp"),
+        ("from accelerate import Accelerator", "accelerate"),
+        ("from lightning.fabric import Fabric", "fabric"),
+        ("import lightning_fabric as L", "fabric"),
+        ("import horovod.torch as hvd", "horovod"),
+        ("import torch.distributed as dist\nimport paratrain", "paratrain"),
+    ],
+)
+def test_style_names_the_migration(source: str, style: str) -> None:
+    assert diagnose_source(source).style.name == style
+
+
+def test_cli_exit_codes_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", str(SCRIPTS / "ddp_clean.py")]) == 0
+    out = capsys.readouterr().out
+    assert "no findings" in out and 'docs/porting.md, "From DistributedDataParallel"' in out
+
+    assert main(["doctor", str(SCRIPTS / "seed004_ddp.py")]) == 1
+    out = capsys.readouterr().out
+    assert f"{SCRIPTS / 'seed004_ddp.py'}:37: [fixed-port]" in out and "fix: " in out
+
+    assert main(["doctor", "--json", str(SCRIPTS / "seed000_dataparallel.py")]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["findings"] == 1
+    (script,) = report["scripts"]
+    assert script["style"] == "dataparallel"
+    assert script["migration"] == 'docs/porting.md, "From DataParallel"'
+    assert script["findings"][0].keys() == {"file", "line", "rule", "message", "fix"}
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("broken.py", "def train(:\n", "broken.py:1: syntax error"),
+        ("notes.txt", "print(1)\n", "is not a Python script"),
+        ("missing.py", None, "cannot read"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, content: str | None, message: str
+) -> None:
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    assert main(["doctor", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("paratrain: error:")
