@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 

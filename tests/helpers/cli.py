@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paratrain_test_faults import BUSY_VARIABLE
 
 from paratrain.cli.main import main
 from paratrain.data.cifar_cache import CACHE_VARIABLE
-from paratrain.launching.wait_policy import BUSY_VARIABLE
 
 #: the ``paratrain_cli`` fixture: ``run_paratrain(...)`` run in the test's ``tmp_path``
 CLI = Callable[..., "subprocess.CompletedProcess[str]"]

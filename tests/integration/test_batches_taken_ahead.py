@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 SAMPLES, BATCH, EPOCHS = 100, 31, 2
 #: batches of the first epoch that the "islice" loop (and its plain reference) trains on
 SLICED = 2

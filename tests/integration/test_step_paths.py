@@ -24,6 +24,8 @@ from paratrain.training.config import TrainConfig
 from paratrain.training.loop import train
 from paratrain.training.recipes import get_recipe
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)

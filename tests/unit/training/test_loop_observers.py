@@ -97,6 +97,7 @@ def test_build_observers_chooses_the_runs_loggers(tmp_path: Path) -> None:
     with_files.close()
 
 
+@pytest.mark.slow
 def test_an_observer_added_in_build_observers_sees_the_whole_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
+SRC = Path(__file__).resolve().parents[2] / "src" / "paratrain"
 STRATEGY_NAMES = {"cpu", "cuda", "mps", "dp", "dp-balanced", "ddp", "fsdp", "pipeline"}
 
 

@@ -11,8 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from paratrain.training import run_lock
 from paratrain.utils.errors import UserError
+
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
 _TRIALS = 300
 

@@ -11,6 +11,8 @@ from paratrain.cli.commands.train import config_from_args
 from paratrain.cli.main import build_parser
 from paratrain.distributed import collective_order
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def _checking(rt: paratrain.Runtime) -> bool:
     rt.barrier()  # joins the process group, where the check starts

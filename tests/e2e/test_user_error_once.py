@@ -25,6 +25,8 @@ import os, sys, time
 if os.environ["RANK"] == "0":
     time.sleep(6)
 from paratrain.cli.main import main
+
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
 sys.exit(main(["train", "--recipe", "nope"]))
 """
 

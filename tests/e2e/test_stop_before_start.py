@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 
 def _catches(pid: int, signum: int) -> bool:
     """Whether the process has a handler for ``signum`` (its SigCgt mask, from /proc)."""
