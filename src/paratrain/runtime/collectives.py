@@ -54,7 +54,10 @@ class RuntimeCollectives:
         step's agreement with a step of -1: a rank still training meets it in its step)."""
         state = self.rt.state
         state.agreement.settle(collective)  # the last step's checks first (a NaN raises)
-        if collective.world_size > 1 and not state.local_only:
+        # the same small all-reduce catches a rank still training: part of the check that
+        # --no-collective-check turns off
+        checks = self.rt.config.collective_check
+        if checks and collective.world_size > 1 and not state.local_only:
             here = f"in rt.{what} after {state.step} training steps"
             state.agreement.exchange(collective, BEFORE_COLLECTIVE, here)
 

@@ -221,8 +221,9 @@ class RuntimeConfig:
         True,
         "processes that disagree about the next collective (a half-ported script: rt.save "
         "under a rank guard, loops of unequal length) are stopped within a minute with one "
-        "message instead of hanging; False (--no-collective-check): no check and no "
-        "background thread, for the last microseconds of each collective "
+        "message instead of hanging; False (--no-collective-check): no check, no "
+        "background thread and no small all-reduce before rt.all_reduce, rt.all_gather, "
+        "rt.broadcast_object and rt.barrier, for the last microseconds of each collective "
         "(paratrain.distributed.collective_order)",
         flag="--no-collective-check",
         cli={"action": "store_false", "default": None},
