@@ -16,6 +16,8 @@ from conftest import subprocess_env
 
 from paratrain.utils.reports import ReportFolder
 
+pytestmark = pytest.mark.slow  # real processes, or several layers at work
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 MESSAGE = "paratrain: error: unknown recipe 'nope'"
 
@@ -25,8 +27,6 @@ import os, sys, time
 if os.environ["RANK"] == "0":
     time.sleep(6)
 from paratrain.cli.main import main
-
-pytestmark = pytest.mark.slow  # real processes, or several layers at work
 sys.exit(main(["train", "--recipe", "nope"]))
 """
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -237,11 +237,13 @@ class Runtime:
         a rank that runs out waits for the others instead of hanging them."""
         return join_uneven(model, self.state)
 
-    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
         """Wrap forward and backward of one micro-batch: skips the gradient all-reduce on
         every micro-step but the last of each group of ``accumulate`` (decided when the
         micro-batch's forward begins, from the batch itself)."""
-        return self._groups.step.accumulate(model)
+        with self._groups.step.accumulate(model):
+            yield
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast, for code outside the model's forward."""

@@ -11,14 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from paratrain.launching import heartbeat
 from paratrain.launching.watchdog import Watchdog
+
+pytestmark = pytest.mark.slow  # real processes racing
 
 # heartbeat.py alone, beating as fast as it can: the writer side of the race
 _WRITER = """
 import importlib.util, sys
-
-pytestmark = pytest.mark.slow  # real processes, or several layers at work
 spec = importlib.util.spec_from_file_location("heartbeat", sys.argv[1])
 heartbeat = sys.modules["heartbeat"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(heartbeat)
