@@ -19,6 +19,9 @@ per-sample path, which shows the runtime's own cost. ``--collective-check`` inst
 (``rt.forward_backward`` under ``--oom auto``, ``optimizer.step()``, ``rt.should_stop()``)
 against plain DistributedDataParallel, and counts the small all-reduces of each (torch's
 profiler): run it with ``PYTHONPATH`` pointing at two versions of paratrain to compare them.
+``--ddp-step --oom off`` times a loop of one's own instead (``model(x)``, ``rt.backward``,
+``optimizer.step()``, ``rt.should_stop()`` with the runtime's defaults: the step's checks read
+one step late); ``--width 512`` is the 512-wide MLP.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ from paratrain.devices.machine import cpu_name
 EpochFn = Callable[[], int]  # runs one epoch, returns the number of steps
 
 
-def make_parts(batch: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
+def make_parts(
+    batch: int, steps: int, width: int = 256
+) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch * steps, 64)
@@ -181,15 +186,17 @@ def collective_check(args: argparse.Namespace) -> None:
     print(f"{'ledger':>16}: {ledger * 1e6:.2f} us per collective ({ledger / base:.2%} of a step)")
 
 
-def _step_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
+def _step_rounds(
+    rt: Any, batch: int, steps: int, rounds: int, warmup: int, width: int = 256
+) -> dict[str, Any]:
     """In each ddp process: paratrain's step and plain DDP's on the same batches, in
     interleaved rounds; and the small all-reduces of one paratrain step."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile
 
-    model, optimizer, _ = make_parts(batch, 1)
-    plain_model, plain_optimizer, _ = make_parts(batch, 1)
+    model, optimizer, _ = make_parts(batch, 1, width)
+    plain_model, plain_optimizer, _ = make_parts(batch, 1, width)
     model, optimizer = rt.setup(model, optimizer)
     plain = DistributedDataParallel(plain_model)
     generator = torch.Generator().manual_seed(rt.rank)
@@ -200,7 +207,10 @@ def _step_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> d
 
     def paratrain_epoch() -> None:
         for x, y in data:
-            rt.forward_backward(model, loss_fn, x, y)
+            if rt.micro_batches.active:  # paratrain train's step
+                rt.forward_backward(model, loss_fn, x, y)
+            else:  # a loop of one's own
+                rt.backward(loss_fn(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
             rt.should_stop()
@@ -239,14 +249,14 @@ def _step_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> d
 def ddp_step(args: argparse.Namespace) -> None:
     import paratrain
 
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", oom="auto")
-    found = rt.launch(_step_rounds, args.batch, args.steps, args.rounds, args.warmup)
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", oom=args.oom)
+    found = rt.launch(_step_rounds, args.batch, args.steps, args.rounds, args.warmup, args.width)
     assert found is not None
     times, small = found["times"], found["small"]
     print(
         f"# {cpu_name()}, ddp on cpu,cpu (gloo), torch {torch.__version__}, paratrain "
         f"{paratrain.__version__} from {Path(paratrain.__file__).parent}, batch {args.batch}, "
-        f"{args.steps} steps x {args.rounds} rounds"
+        f"width {args.width}, --oom {args.oom}, {args.steps} steps x {args.rounds} rounds"
     )
     base = statistics.median(times["plain DDP"])
     for name, samples in times.items():
@@ -270,6 +280,13 @@ def main() -> None:
     parser.add_argument(
         "--ddp-step", action="store_true", help="ddp on cpu,cpu: paratrain's step vs plain DDP"
     )
+    parser.add_argument(
+        "--oom",
+        choices=("auto", "off"),
+        default="auto",
+        help="--ddp-step: auto times paratrain train's step, off a loop of one's own",
+    )
+    parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.collective_check:
