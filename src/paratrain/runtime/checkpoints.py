@@ -10,13 +10,13 @@ from typing import Any
 from torch import nn
 
 from paratrain.checkpoints.state import load_state, save_model_weights, save_state
-from paratrain.runtime.parts import RuntimeView
+from paratrain.runtime.parts import RuntimeParts
 
 
 class RuntimeCheckpoints:
     """Saving and loading through the runtime's processes and devices."""
 
-    def __init__(self, rt: RuntimeView) -> None:
+    def __init__(self, rt: RuntimeParts) -> None:
         self.rt = rt
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

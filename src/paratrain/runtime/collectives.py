@@ -11,7 +11,7 @@ import torch
 from paratrain.distributed.collective import Collective, ReduceOp
 from paratrain.runtime.agreement import BEFORE_COLLECTIVE
 from paratrain.runtime.evaluation_notes import EvaluationNotes
-from paratrain.runtime.parts import RuntimeView
+from paratrain.runtime.parts import RuntimeParts
 
 T = TypeVar("T")
 
@@ -19,7 +19,7 @@ T = TypeVar("T")
 class RuntimeCollectives:
     """The collectives a user's loop calls through the runtime."""
 
-    def __init__(self, rt: RuntimeView, notes: EvaluationNotes) -> None:
+    def __init__(self, rt: RuntimeParts, notes: EvaluationNotes) -> None:
         self.rt = rt
         self.notes = notes
 

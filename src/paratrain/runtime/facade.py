@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from paratrain.data.loaders import DeviceLoader
 from paratrain.data.placement import move_to_device
+from paratrain.devices.precision import Precision
 from paratrain.distributed.collective import ReduceOp
 from paratrain.launching import heartbeat
 from paratrain.launching.launch import launch
@@ -37,8 +38,12 @@ from paratrain.runtime.config import (
 )
 from paratrain.runtime.determinism import make_deterministic
 from paratrain.runtime.groups import MethodGroups
+from paratrain.runtime.nonfinite import NonFiniteCheck
+from paratrain.runtime.oom import MicroBatches
 from paratrain.runtime.parts import assemble, describe
 from paratrain.runtime.seeding import seed_everything
+from paratrain.runtime.speed import Speed
+from paratrain.runtime.step_state import StepState
 from paratrain.runtime.uneven import join_uneven
 from paratrain.strategies import Strategy, StrategyChoice
 
@@ -82,25 +87,9 @@ class Runtime:
     def _start(self, config: RuntimeConfig) -> None:
         if config.deterministic:  # first: before anything can start cuBLAS
             make_deterministic()
-        self.config = config
-        parts = assemble(config)
-        self.strategy: Strategy = parts.strategy
-        #: this process's intra-op threads, and those of the processes it starts
-        self.threads: ThreadChoice = parts.threads
-        self.speed = parts.speed
-        self.precision = parts.precision
-        self.seed = config.seed
-        #: where training stands: optimizer steps, the accumulation group, the micro-batch
-        #: in hand, the step's agreement (paratrain.runtime.step_state)
-        self.state = parts.state
-        #: the policy for non-finite losses (the nonfinite option, --skip-nonfinite)
-        self.nonfinite = parts.nonfinite
-        #: --oom auto: how many pieces each micro-batch is cut into
-        self.micro_batches = parts.micro_batches
-        self.oom_refused = parts.oom_refused
-        self.init_seed: int | None = config.seed
+        self._parts = assemble(config)
         self._connected = False
-        self._groups = MethodGroups.of(self)  # what this facade delegates to
+        self._groups = MethodGroups.of(self._parts)  # what this facade delegates to
         if config.seed is not None:  # last: nothing above draws random numbers
             seed_everything(config.seed)
 
@@ -110,6 +99,65 @@ class Runtime:
         rt = cls.__new__(cls)
         rt._start(config)
         return rt
+
+    # -- its parts (paratrain.runtime.parts), each held once --------------------------------
+    @property
+    def config(self) -> RuntimeConfig:
+        """The runtime's configuration, every option in force."""
+        return self._parts.config
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy the runtime delegates to (its processes, devices and wrappers)."""
+        return self._parts.strategy
+
+    @property
+    def threads(self) -> ThreadChoice:
+        """This process's intra-op threads, and those of the processes it starts."""
+        return self._parts.threads
+
+    @property
+    def speed(self) -> Speed:
+        """The speed options applied (compile and its check, channels last, fused steps)."""
+        return self._parts.speed
+
+    @property
+    def precision(self) -> Precision:
+        return self._parts.precision
+
+    @property
+    def seed(self) -> int | None:
+        return self._parts.config.seed
+
+    @property
+    def state(self) -> StepState:
+        """Where training stands: optimizer steps, the accumulation group, the micro-batch in
+        hand, the step's agreement (:mod:`paratrain.runtime.step_state`)."""
+        return self._parts.state
+
+    @property
+    def nonfinite(self) -> NonFiniteCheck:
+        """The policy for non-finite losses (``nonfinite=``, ``--skip-nonfinite``)."""
+        return self._parts.nonfinite
+
+    @property
+    def micro_batches(self) -> MicroBatches:
+        """``--oom auto``: how many pieces each micro-batch is cut into."""
+        return self._parts.micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value: MicroBatches) -> None:
+        self._parts.micro_batches = value
+
+    @property
+    def oom_refused(self) -> str | None:
+        """Why ``oom="auto"`` cannot work under this strategy, or None."""
+        return self._parts.oom_refused
+
+    @property
+    def init_seed(self) -> int | None:
+        """What a model built on the meta device gets its weights from."""
+        return self._parts.init_seed
 
     @property
     def accumulate_steps(self) -> int:
@@ -179,7 +227,7 @@ class Runtime:
         process only its part (:mod:`paratrain.models.meta_init`).
         """
         self._connect()
-        self.init_seed = init_seed if init_seed is not None else self.seed
+        self._parts.init_seed = init_seed if init_seed is not None else self.seed
         with self.strategy.collective.operation("rt.setup"):  # DDP broadcasts the weights
             return self._groups.setup.model(model, optimizer, loss_fn)
 
@@ -335,7 +383,7 @@ class Runtime:
         self._connected = False
 
     def describe(self) -> dict[str, Any]:
-        return describe(self)
+        return describe(self._parts)
 
 
 Runtime.__init__.__doc__ = runtime_help()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from paratrain.runtime.checkpoints import RuntimeCheckpoints
 from paratrain.runtime.collectives import RuntimeCollectives
 from paratrain.runtime.evaluation_notes import EvaluationNotes
-from paratrain.runtime.parts import RuntimeView
+from paratrain.runtime.parts import RuntimeParts
 from paratrain.runtime.setup import RuntimeSetup
 from paratrain.runtime.step import TrainingStep
 from paratrain.runtime.stop import StopOnSignal
@@ -27,7 +27,7 @@ class MethodGroups:
     notes: EvaluationNotes
 
     @classmethod
-    def of(cls, rt: RuntimeView) -> MethodGroups:
+    def of(cls, rt: RuntimeParts) -> MethodGroups:
         notes = EvaluationNotes(rt.strategy.collective, rt.strategy.data_shards)
         collectives = RuntimeCollectives(rt, notes)
         step = TrainingStep(rt)

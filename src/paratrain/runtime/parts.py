@@ -1,14 +1,15 @@
 """The parts a :class:`~paratrain.Runtime` is made of, built from its configuration in
 the order that matters: the strategy, then this process's threads (before torch's thread
-pools start), then the speed options and precision; and :class:`RuntimeView`, what the
-groups of methods the facade delegates to read of it each time they are called (so that a
-part a user or test replaces on the runtime is the one they use)."""
+pools start), then the speed options and precision. They exist once, in
+:class:`RuntimeParts`: the facade's properties read and replace them there, and the groups
+of methods it delegates to read them there each time they are called (so that a part a user
+or test replaces on the runtime is the one they use)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from paratrain.devices.precision import Precision
 from paratrain.launching.launch import launched
@@ -24,37 +25,26 @@ from paratrain.utils import environment
 from paratrain.utils.errors import UserError
 
 
-class RuntimeView(Protocol):
-    """The runtime's parts, as its method groups read them."""
+@dataclass
+class RuntimeParts:
+    """One runtime's configuration and the parts built from it."""
 
     config: RuntimeConfig
     strategy: Strategy
-    seed: int | None
+    #: this process's intra-op threads, and those of the processes it starts
     threads: ThreadChoice
     speed: Speed
     precision: Precision
     #: where training stands (paratrain.runtime.step_state): the step pipeline advances it
     state: StepState
+    #: the policy for non-finite losses (the nonfinite option, --skip-nonfinite)
     nonfinite: NonFiniteCheck
+    #: --oom auto: how many pieces each micro-batch is cut into
     micro_batches: MicroBatches
     #: why --oom auto cannot work under this strategy (said once, at rt.setup), or None
     oom_refused: str | None
     #: what a model built on the meta device is initialised from (rt.setup's init_seed)
     init_seed: int | None
-
-
-@dataclass
-class RuntimeParts:
-    """One runtime's strategy and settings, built."""
-
-    strategy: Strategy
-    threads: ThreadChoice
-    speed: Speed
-    precision: Precision
-    state: StepState
-    nonfinite: NonFiniteCheck
-    micro_batches: MicroBatches
-    oom_refused: str | None
 
 
 def assemble(config: RuntimeConfig) -> RuntimeParts:
@@ -75,6 +65,7 @@ def assemble(config: RuntimeConfig) -> RuntimeParts:
         )
     oom_refused = strategy.oom_refused() if config.oom == "auto" else None
     return RuntimeParts(
+        config=config,
         strategy=strategy,
         threads=threads,
         speed=Speed(config.speed, strategy),
@@ -83,10 +74,11 @@ def assemble(config: RuntimeConfig) -> RuntimeParts:
         nonfinite=NonFiniteCheck(config.nonfinite),
         micro_batches=MicroBatches("off" if oom_refused else config.oom),
         oom_refused=oom_refused,
+        init_seed=config.seed,
     )
 
 
-def describe(rt: RuntimeView) -> dict[str, Any]:
+def describe(rt: RuntimeParts) -> dict[str, Any]:
     """What ``rt.describe()`` reports: the strategy and every setting in force."""
     return {
         **rt.strategy.describe(),

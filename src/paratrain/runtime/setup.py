@@ -22,7 +22,7 @@ from paratrain.runtime.activation_checkpointing import apply_activation_checkpoi
 from paratrain.runtime.batching import global_batch_size
 from paratrain.runtime.determinism import naming_nondeterministic
 from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state
-from paratrain.runtime.parts import RuntimeView
+from paratrain.runtime.parts import RuntimeParts
 from paratrain.utils.errors import UserError
 
 
@@ -39,7 +39,7 @@ class RuntimeSetup:
 
     def __init__(
         self,
-        rt: RuntimeView,
+        rt: RuntimeParts,
         agree_seed: Callable[[int], int],
         loop_started: Callable[[DeviceLoader], None],
         tell: Callable[[str, str], None],
@@ -149,7 +149,7 @@ class RuntimeSetup:
             device=rt.strategy.root_device,
             rank=rt.strategy.data_rank,
             world_size=shards,
-            seed=rt.seed,
+            seed=rt.config.seed,
             evaluation=evaluation,
             sink=None if evaluation else rt.state,
             data_path=data_path,

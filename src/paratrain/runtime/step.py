@@ -39,14 +39,14 @@ from paratrain.runtime.agreement import Verdict
 from paratrain.runtime.determinism import naming_nondeterministic
 from paratrain.runtime.nonfinite import Look
 from paratrain.runtime.oom import OutOfMemoryStop, Snapshot, batch_length, cut, test_hook
-from paratrain.runtime.parts import RuntimeView
+from paratrain.runtime.parts import RuntimeParts
 from paratrain.utils.errors import PlacementError, UserError
 
 
 class TrainingStep:
     """One micro-batch's stages, as every strategy and every entry point runs them."""
 
-    def __init__(self, rt: RuntimeView) -> None:
+    def __init__(self, rt: RuntimeParts) -> None:
         self.rt = rt
         #: inside ``rt.accumulate(model)``: the model and what skips its gradient sync
         self._deferred: tuple[nn.Module, contextlib.ExitStack] | None = None

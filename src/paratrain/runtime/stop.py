@@ -14,14 +14,14 @@ from typing import NoReturn
 
 from paratrain.launching import preemption
 from paratrain.runtime.agreement import BEFORE_STOP
-from paratrain.runtime.parts import RuntimeView
+from paratrain.runtime.parts import RuntimeParts
 from paratrain.utils.errors import UserError
 
 
 class StopOnSignal:
     """The stop the processes agreed on at the last ``rt.should_stop()``, if any."""
 
-    def __init__(self, rt: RuntimeView) -> None:
+    def __init__(self, rt: RuntimeParts) -> None:
         self.rt = rt
         self._stop: preemption.Request | None = None
         self._seen = 0  # the agreements begun at the last call
