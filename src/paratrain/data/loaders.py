@@ -50,6 +50,9 @@ class BatchInfo:
     ends_epoch: bool = False
     #: the loader that made it (its batches not used yet are forgotten when it restarts)
     source: int = 0
+    #: a stand-in: this process has no sample of the global batch, so it trains on one of
+    #: the others' with a loss weight of 0 (:class:`ShardedBatchSampler`); it counts no sample
+    stand_in: bool = False
 
 
 #: a batch that carries nothing (a tensor the loop made itself)
@@ -101,8 +104,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     ``evaluation=True`` never pads nor drops: every sample is seen exactly once across
     processes (a process whose part of the last batch is empty skips it). For training, a
-    last global batch smaller than the number of processes is dropped, since some process
-    would get no sample to compute a loss on.
+    last global batch smaller than the number of processes is trained on too: a process with
+    no sample of it gets a *stand-in*, the batch's first sample again, whose loss weight is 0
+    (:class:`DeviceLoader`). Every process must take the step (DDP all-reduces the gradients
+    in the backward), and a batch of one real sample is exact where an empty one is not: the
+    mean of an empty loss is NaN, its gradient too, and NaN times 0 is still NaN, whereas a
+    finite loss times 0 has gradients of exactly 0. The others' weights make the step that of
+    the batch on one process.
     """
 
     def __init__(
@@ -170,7 +178,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def global_batch_sizes(self) -> list[int]:
         full, rest = divmod(self.num_samples, self.batch_size)
         sizes = [self.batch_size] * full
-        if rest and not self.drop_last and (self.evaluation or rest >= self.world_size):
+        if rest and not self.drop_last:
             sizes.append(rest)
         return sizes
 
@@ -186,13 +194,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return start, start + base + (1 if self.rank < extra else 0)
 
     def spans(self) -> Iterator[tuple[int, int]]:
-        """Where this process's part of each remaining batch lies in :meth:`order`."""
+        """Where this process's part of each remaining batch lies in :meth:`order`; for
+        training, an empty part is the batch's first sample, a stand-in (see the class)."""
         position = 0
         for index, size in enumerate(self.global_batch_sizes()):
             if index >= self.start_batch:
                 start, end = self.local_span(size)
                 if end > start:
                     yield position + start, position + end
+                elif not self.evaluation:
+                    yield position, position + 1
             position += size
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -203,7 +214,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         sizes = self.global_batch_sizes()[self.start_batch :]
-        return sum(1 for size in sizes if self.local_size(size) > 0)
+        return sum(1 for size in sizes if not self.evaluation or self.local_size(size) > 0)
 
 
 class DeviceLoader:
@@ -254,7 +265,8 @@ class DeviceLoader:
         return len(self.loader)
 
     def _loss_weights(self) -> list[float] | None:
-        """Per-batch weights that make the mean of the processes' losses the global mean."""
+        """Per-batch weights that make the mean of the processes' losses the global mean
+        (0 for a stand-in: its process has no sample of the batch)."""
         sampler = self.batch_sampler
         if sampler is None or sampler.world_size == 1 or self._sink is None:
             return None
@@ -285,7 +297,7 @@ class DeviceLoader:
         last = len(self.loader) - 1
         for index, batch in enumerate(self._batches()):
             weight = 1.0 if weights is None else weights[index]
-            info = BatchInfo(weight, index == last, source)
+            info = BatchInfo(weight, index == last, source, stand_in=weight == 0)
             sink.handed_out(info)
             beat()
             yield tag_batch(move_to_device(batch, self.device), info)

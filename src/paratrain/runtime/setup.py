@@ -159,7 +159,24 @@ class RuntimeSetup:
         )
         if shards > 1:
             device_loader.on_no_grad = self.loop_started
+        if rt.config.sync_batchnorm and not evaluation:
+            _refuse_stand_in_statistics(device_loader, shards)
         return device_loader
+
+
+def _refuse_stand_in_statistics(loader: DeviceLoader, shards: int) -> None:
+    """SyncBatchNorm's statistics would count a stand-in sample (a process with no sample of
+    a last batch smaller than the number of processes trains on one of the others' with a
+    loss weight of 0, :class:`~paratrain.data.loaders.ShardedBatchSampler`): refused."""
+    sampler = loader.batch_sampler
+    sizes = [] if sampler is None else sampler.global_batch_sizes()
+    if sizes and sizes[-1] < shards:
+        raise UserError(
+            f"--sync-batchnorm: the epoch's last batch has {sizes[-1]} sample(s), fewer than "
+            f"the {shards} processes, and a process with none of them has no batch "
+            "statistics; choose a batch size that leaves at least "
+            f"{shards}, or drop it with DataLoader(drop_last=True)"
+        )
 
 
 def step_forward(
