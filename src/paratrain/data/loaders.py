@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from paratrain.data.iterable_split import split_iterable_loader
 from paratrain.data.placement import move_to_device
 from paratrain.launching.heartbeat import beat
 from paratrain.utils.errors import UserError
@@ -57,10 +58,15 @@ class BatchInfo:
 
 #: a batch that carries nothing (a tensor the loop made itself)
 PLAIN_BATCH = BatchInfo()
+#: no batch at all (an empty epoch)
+_NO_BATCH = object()
 
 
 class BatchSink(Protocol):
     """Who learns of each training batch handed out (the runtime's step state)."""
+
+    #: micro-batches per optimizer step (more than 1: an epoch's last batch must be known)
+    accumulate: int
 
     def handed_out(self, info: BatchInfo) -> None: ...
 
@@ -294,10 +300,9 @@ class DeviceLoader:
         source = id(self)
         sink.restarted(source)
         weights = self._loss_weights()
-        last = len(self.loader) - 1
-        for index, batch in enumerate(self._batches()):
+        for index, (batch, last) in enumerate(self._marking_last(sink.accumulate)):
             weight = 1.0 if weights is None else weights[index]
-            info = BatchInfo(weight, index == last, source, stand_in=weight == 0)
+            info = BatchInfo(weight, last, source, stand_in=weight == 0)
             sink.handed_out(info)
             beat()
             yield tag_batch(move_to_device(batch, self.device), info)
@@ -306,6 +311,27 @@ class DeviceLoader:
         """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the
         device: one pass over each batch's tensors, not two)."""
         yield from self.loader
+
+    def _marking_last(self, accumulate: int) -> Iterator[tuple[Any, bool]]:
+        """The epoch's batches, each with whether it is the last. A loader of an
+        ``IterableDataset`` has no length to tell: its end is seen one batch ahead, and only
+        where it matters (``accumulate`` > 1: a group of micro-batches unfinished at the end
+        of the epoch is applied there), so that otherwise no batch is read before its turn."""
+        batches = self._batches()
+        if not isinstance(self.loader.dataset, IterableDataset):
+            last = len(self.loader) - 1
+            for index, batch in enumerate(batches):
+                yield batch, index == last
+        elif accumulate == 1:
+            for batch in batches:
+                yield batch, False
+        else:
+            held = next(batches, _NO_BATCH)
+            for batch in batches:
+                yield held, False
+                held = batch
+            if held is not _NO_BATCH:
+                yield held, True
 
 
 def shard_loader(
@@ -324,11 +350,19 @@ def shard_loader(
     ``batch_size``: the global batch, when it is not the loader's own (paratrain.runtime.batching);
     ``seed`` and ``agree``: where a shuffled epoch's order comes from (see the module).
     """
-    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+    if isinstance(loader.dataset, IterableDataset):
+        if world_size > 1 and not evaluation:
+            raise UserError(
+                f"training on {world_size} processes needs a map-style dataset (__len__ and "
+                "__getitem__): an IterableDataset's parts may hold different numbers of "
+                "batches, and every process takes every step; evaluation=True splits one"
+            )
+        return split_iterable_loader(loader, rank, world_size, pin_memory), None
+    if loader.batch_size is None:
         if world_size > 1:
             raise UserError(
-                "several processes need a map-style dataset and a loader with batch_size; "
-                "an IterableDataset or a custom batch_sampler cannot be split across processes"
+                "several processes need a loader with batch_size; a custom batch_sampler "
+                "cannot be split across processes"
             )
         return loader, None
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
