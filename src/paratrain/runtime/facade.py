@@ -245,7 +245,9 @@ class Runtime:
         batch; with ``batch_size_per="process"`` each process's, so the global batch is
         ``batch_size`` x processes). ``evaluation=True``: every sample exactly once over all
         processes, no padding. ``data_path``: how batches are made (auto, loader, batched,
-        device; see :mod:`paratrain.data.paths`), the same batches whichever.
+        device; see :mod:`paratrain.data.paths`), the same batches whichever. An
+        ``IterableDataset`` is split by item across workers and processes
+        (:mod:`paratrain.data.iterable_split`).
         """
         self._connect()
         return self._groups.setup.loader(loader, evaluation, data_path, device_budget_gib)
