@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from paratrain.data.iterable_split import split_iterable_loader
 from paratrain.data.placement import move_to_device
 from paratrain.launching.heartbeat import beat
 from paratrain.utils.errors import UserError
@@ -50,14 +51,22 @@ class BatchInfo:
     ends_epoch: bool = False
     #: the loader that made it (its batches not used yet are forgotten when it restarts)
     source: int = 0
+    #: a stand-in: this process has no sample of the global batch, so it trains on one of
+    #: the others' with a loss weight of 0 (:class:`ShardedBatchSampler`); it counts no sample
+    stand_in: bool = False
 
 
 #: a batch that carries nothing (a tensor the loop made itself)
 PLAIN_BATCH = BatchInfo()
+#: no batch at all (an empty epoch)
+_NO_BATCH = object()
 
 
 class BatchSink(Protocol):
     """Who learns of each training batch handed out (the runtime's step state)."""
+
+    #: micro-batches per optimizer step (more than 1: an epoch's last batch must be known)
+    accumulate: int
 
     def handed_out(self, info: BatchInfo) -> None: ...
 
@@ -101,8 +110,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     ``evaluation=True`` never pads nor drops: every sample is seen exactly once across
     processes (a process whose part of the last batch is empty skips it). For training, a
-    last global batch smaller than the number of processes is dropped, since some process
-    would get no sample to compute a loss on.
+    last global batch smaller than the number of processes is trained on too: a process with
+    no sample of it gets a *stand-in*, the batch's first sample again, whose loss weight is 0
+    (:class:`DeviceLoader`). Every process must take the step (DDP all-reduces the gradients
+    in the backward), and a batch of one real sample is exact where an empty one is not: the
+    mean of an empty loss is NaN, its gradient too, and NaN times 0 is still NaN, whereas a
+    finite loss times 0 has gradients of exactly 0. The others' weights make the step that of
+    the batch on one process.
     """
 
     def __init__(
@@ -170,7 +184,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def global_batch_sizes(self) -> list[int]:
         full, rest = divmod(self.num_samples, self.batch_size)
         sizes = [self.batch_size] * full
-        if rest and not self.drop_last and (self.evaluation or rest >= self.world_size):
+        if rest and not self.drop_last:
             sizes.append(rest)
         return sizes
 
@@ -186,13 +200,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return start, start + base + (1 if self.rank < extra else 0)
 
     def spans(self) -> Iterator[tuple[int, int]]:
-        """Where this process's part of each remaining batch lies in :meth:`order`."""
+        """Where this process's part of each remaining batch lies in :meth:`order`; for
+        training, an empty part is the batch's first sample, a stand-in (see the class)."""
         position = 0
         for index, size in enumerate(self.global_batch_sizes()):
             if index >= self.start_batch:
                 start, end = self.local_span(size)
                 if end > start:
                     yield position + start, position + end
+                elif not self.evaluation:
+                    yield position, position + 1
             position += size
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -203,7 +220,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         sizes = self.global_batch_sizes()[self.start_batch :]
-        return sum(1 for size in sizes if self.local_size(size) > 0)
+        return sum(1 for size in sizes if not self.evaluation or self.local_size(size) > 0)
 
 
 class DeviceLoader:
@@ -254,7 +271,8 @@ class DeviceLoader:
         return len(self.loader)
 
     def _loss_weights(self) -> list[float] | None:
-        """Per-batch weights that make the mean of the processes' losses the global mean."""
+        """Per-batch weights that make the mean of the processes' losses the global mean
+        (0 for a stand-in: its process has no sample of the batch)."""
         sampler = self.batch_sampler
         if sampler is None or sampler.world_size == 1 or self._sink is None:
             return None
@@ -282,10 +300,9 @@ class DeviceLoader:
         source = id(self)
         sink.restarted(source)
         weights = self._loss_weights()
-        last = len(self.loader) - 1
-        for index, batch in enumerate(self._batches()):
+        for index, (batch, last) in enumerate(self._marking_last(sink.accumulate)):
             weight = 1.0 if weights is None else weights[index]
-            info = BatchInfo(weight, index == last, source)
+            info = BatchInfo(weight, last, source, stand_in=weight == 0)
             sink.handed_out(info)
             beat()
             yield tag_batch(move_to_device(batch, self.device), info)
@@ -294,6 +311,27 @@ class DeviceLoader:
         """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the
         device: one pass over each batch's tensors, not two)."""
         yield from self.loader
+
+    def _marking_last(self, accumulate: int) -> Iterator[tuple[Any, bool]]:
+        """The epoch's batches, each with whether it is the last. A loader of an
+        ``IterableDataset`` has no length to tell: its end is seen one batch ahead, and only
+        where it matters (``accumulate`` > 1: a group of micro-batches unfinished at the end
+        of the epoch is applied there), so that otherwise no batch is read before its turn."""
+        batches = self._batches()
+        if not isinstance(self.loader.dataset, IterableDataset):
+            last = len(self.loader) - 1
+            for index, batch in enumerate(batches):
+                yield batch, index == last
+        elif accumulate == 1:
+            for batch in batches:
+                yield batch, False
+        else:
+            held = next(batches, _NO_BATCH)
+            for batch in batches:
+                yield held, False
+                held = batch
+            if held is not _NO_BATCH:
+                yield held, True
 
 
 def shard_loader(
@@ -312,11 +350,19 @@ def shard_loader(
     ``batch_size``: the global batch, when it is not the loader's own (paratrain.runtime.batching);
     ``seed`` and ``agree``: where a shuffled epoch's order comes from (see the module).
     """
-    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+    if isinstance(loader.dataset, IterableDataset):
+        if world_size > 1 and not evaluation:
+            raise UserError(
+                f"training on {world_size} processes needs a map-style dataset (__len__ and "
+                "__getitem__): an IterableDataset's parts may hold different numbers of "
+                "batches, and every process takes every step; evaluation=True splits one"
+            )
+        return split_iterable_loader(loader, rank, world_size, pin_memory), None
+    if loader.batch_size is None:
         if world_size > 1:
             raise UserError(
-                "several processes need a map-style dataset and a loader with batch_size; "
-                "an IterableDataset or a custom batch_sampler cannot be split across processes"
+                "several processes need a loader with batch_size; a custom batch_sampler "
+                "cannot be split across processes"
             )
         return loader, None
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):

@@ -27,8 +27,9 @@ class EvaluationNotes:
                 "training-loader",
                 "a loader set up for training is iterated under torch.no_grad() (an "
                 f"evaluation?) by {self.shards} processes: each sees only its "
-                "part of the data, and a last batch smaller than the number of processes is "
-                "dropped. For evaluation, set it up with rt.setup_loader(loader, "
+                "part of the data, and a process with no sample of a last batch smaller than "
+                "the number of processes counts a stand-in (one of the others' samples again). "
+                "For evaluation, set it up with rt.setup_loader(loader, "
                 "evaluation=True) (every sample exactly once) and sum the counts with "
                 "rt.all_reduce before printing them (docs/porting.md)",
             )

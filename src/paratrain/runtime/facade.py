@@ -245,7 +245,9 @@ class Runtime:
         batch; with ``batch_size_per="process"`` each process's, so the global batch is
         ``batch_size`` x processes). ``evaluation=True``: every sample exactly once over all
         processes, no padding. ``data_path``: how batches are made (auto, loader, batched,
-        device; see :mod:`paratrain.data.paths`), the same batches whichever.
+        device; see :mod:`paratrain.data.paths`), the same batches whichever. An
+        ``IterableDataset`` is split by item across workers and processes
+        (:mod:`paratrain.data.iterable_split`).
         """
         self._connect()
         return self._groups.setup.loader(loader, evaluation, data_path, device_budget_gib)
@@ -298,13 +300,24 @@ class Runtime:
         return self.precision.autocast()
 
     # -- collectives (paratrain.runtime.collectives) -----------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "sum", *, over: str = "data"
+    ) -> torch.Tensor:
+        """``tensor`` combined (``op``: sum, mean, max, min) over the parts of the data, one
+        value per part, returned on every process: a count made from the batches of
+        ``rt.setup_loader`` then counts each sample once on every layout. Every process holds
+        a part of its own, except under ``pipeline``, where a pipeline's stages share one
+        batch: its first stage's value counts, once. ``over="processes"``: every process's
+        value (what differs between a pipeline's stages). Call it on every process."""
         self._connect()
-        return self._groups.collectives.all_reduce(tensor, op)
+        return self._groups.collectives.all_reduce(tensor, op, over)
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, tensor: torch.Tensor, *, over: str = "data") -> list[torch.Tensor]:
+        """``tensor`` from each part of the data (the same shape everywhere), in rank order,
+        on every process: one per process, one per pipeline under ``pipeline`` (see
+        ``all_reduce``); ``over="processes"``: one per process everywhere."""
         self._connect()
-        return self._groups.collectives.all_gather(tensor)
+        return self._groups.collectives.all_gather(tensor, over)
 
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         self._connect()

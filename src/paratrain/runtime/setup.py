@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from paratrain.data.loaders import BatchInfo, DeviceLoader, batch_info
 from paratrain.data.paths import setup_data_path
@@ -23,6 +23,7 @@ from paratrain.runtime.batching import global_batch_size
 from paratrain.runtime.determinism import naming_nondeterministic
 from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state
 from paratrain.runtime.parts import RuntimeParts
+from paratrain.strategies import Strategy
 from paratrain.utils.errors import UserError
 
 
@@ -141,6 +142,8 @@ class RuntimeSetup:
         noted until its sums are all-reduced."""
         rt = self.rt
         shards = rt.strategy.data_shards
+        if isinstance(loader.dataset, IterableDataset) and shards > 1:
+            _refuse_uneven_forwards(rt.strategy, shards)
         batch_size = loader.batch_size
         if batch_size is not None:
             batch_size = global_batch_size(batch_size, rt.config.batch_size_per, shards)
@@ -159,7 +162,35 @@ class RuntimeSetup:
         )
         if shards > 1:
             device_loader.on_no_grad = self.loop_started
+        if rt.config.sync_batchnorm and not evaluation:
+            _refuse_stand_in_statistics(device_loader, shards)
         return device_loader
+
+
+def _refuse_uneven_forwards(strategy: Strategy, shards: int) -> None:
+    """An iterable data set's parts may hold different numbers of batches: refused where
+    every forward is a collective (fsdp gathers the parameters in each)."""
+    if strategy.collective_forward:
+        raise UserError(
+            f"--strategy {strategy.name}: an IterableDataset cannot be split across its "
+            f"{shards} processes, whose parts may hold different numbers of batches while "
+            "every forward is a collective; use a map-style dataset (__len__ and __getitem__)"
+        )
+
+
+def _refuse_stand_in_statistics(loader: DeviceLoader, shards: int) -> None:
+    """SyncBatchNorm's statistics would count a stand-in sample (a process with no sample of
+    a last batch smaller than the number of processes trains on one of the others' with a
+    loss weight of 0, :class:`~paratrain.data.loaders.ShardedBatchSampler`): refused."""
+    sampler = loader.batch_sampler
+    sizes = [] if sampler is None else sampler.global_batch_sizes()
+    if sizes and sizes[-1] < shards:
+        raise UserError(
+            f"--sync-batchnorm: the epoch's last batch has {sizes[-1]} sample(s), fewer than "
+            f"the {shards} processes, and a process with none of them has no batch "
+            "statistics; choose a batch size that leaves at least "
+            f"{shards}, or drop it with DataLoader(drop_last=True)"
+        )
 
 
 def step_forward(

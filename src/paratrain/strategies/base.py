@@ -134,6 +134,12 @@ class Strategy(ABC):
         """This process's part of the global batch, from 0 to ``data_shards - 1``."""
         return self.collective.rank
 
+    @property
+    def data_leaders(self) -> list[int]:
+        """The ranks that stand for the data in ``rt.all_reduce`` and ``rt.all_gather``: one
+        process per part of the data (here every process holds a part of its own)."""
+        return list(range(self.collective.world_size))
+
     def check_model(self, model: nn.Module) -> None:  # noqa: B027  (optional hook)
         """Raise ``UserError`` if this strategy cannot train ``model``; called before any
         process starts where the model is known (``paratrain train``), and by ``wrap_model``."""

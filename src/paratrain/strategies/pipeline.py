@@ -92,6 +92,11 @@ class PipelineStrategy(DDPStrategy):
     def data_rank(self) -> int:
         return 0
 
+    @property
+    def data_leaders(self) -> list[int]:
+        # every stage holds the same batch (and gets the same output): the pipeline counts once
+        return [0]
+
     def check_model(self, model: nn.Module) -> None:
         plan_stages(model, self.collective.world_size, self.options.pipeline_split)
 

@@ -25,7 +25,7 @@ from paratrain.checkpoints.state import (
 )
 from paratrain.checkpoints.state.store import checkpoint_name
 from paratrain.checkpoints.weights import unwrap_model
-from paratrain.data.loaders import DeviceLoader
+from paratrain.data.loaders import DeviceLoader, batch_info
 from paratrain.launching.threads import load_note
 from paratrain.runtime.facade import Runtime
 from paratrain.training import rundir
@@ -353,9 +353,12 @@ def train_step(loop: LoopParts, state: LoopState, x: Any, y: Any) -> tuple[torch
     loop.optimizer.zero_grad()
     if applied and loop.scheduler is not None:
         loop.scheduler.step()
-    if not rt.step_skipped:  # --skip-nonfinite: no NaN in the epoch's mean
-        state.loss_sum += loss.detach().double() * len(y)
-        state.count += len(y)
+    info = batch_info(y)
+    # a stand-in (a process with no sample of the last batch) trains on weight 0: no sample
+    counted = 0 if info is not None and info.stand_in else len(y)
+    if not rt.step_skipped and counted:  # --skip-nonfinite: no NaN in the epoch's mean
+        state.loss_sum += loss.detach().double() * counted
+        state.count += counted
     state.samples += len(y) * rt.strategy.data_shards
     state.batch += 1
     state.step += applied

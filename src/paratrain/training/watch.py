@@ -68,7 +68,7 @@ class RunWatch:
         peaks = [peak_memory_bytes(device) for device in local]
         values = torch.tensor([-1 if p is None else p for p in peaks], dtype=torch.float64)
         if self.rt.world_size > 1:
-            gathered = self.rt.all_gather(values.to(self.rt.device))
+            gathered = self.rt.all_gather(values.to(self.rt.device), over="processes")
         else:
             gathered = [values]
         names = [str(d) for d in local]

@@ -41,7 +41,8 @@ def _device_loader(
 class _Sink:
     """What the runtime's step state is told: each batch handed out, each restart."""
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate: int = 1) -> None:
+        self.accumulate = accumulate
         self.handed: list[BatchInfo] = []
         self.restarts = 0
 
@@ -128,7 +129,7 @@ def test_loaders_that_cannot_be_split_are_kept_for_one_process_and_refused_for_m
     unbatched = DataLoader(_data(), batch_size=None)
     for loader, message in [
         (stream, "map-style"),
-        (unbatched, "map-style"),
+        (unbatched, "loader with batch_size"),
         (subset, "SubsetRandomSampler"),
     ]:
         kept = shard_loader(
@@ -251,8 +252,9 @@ def test_loaders_that_cannot_be_split_say_how_to_build_one() -> None:
             pin_memory=False,
         )
     assert str(raised.value) == (
-        "several processes need a map-style dataset and a loader with batch_size; "
-        "an IterableDataset or a custom batch_sampler cannot be split across processes"
+        "training on 2 processes needs a map-style dataset (__len__ and __getitem__): an "
+        "IterableDataset's parts may hold different numbers of batches, and every process "
+        "takes every step; evaluation=True splits one"
     )
     subset = DataLoader(_data(), batch_size=2, sampler=SubsetRandomSampler([0, 1]))
     with pytest.raises(UserError) as raised:

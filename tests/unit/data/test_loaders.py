@@ -29,9 +29,10 @@ def test_ranks_together_see_the_one_process_batches(world: int) -> None:
 
 def test_uneven_last_batch_is_split_and_weighted_exactly() -> None:
     sampler = ShardedBatchSampler(13, 4, shuffle=False, seed=0, rank=1, world_size=3)
-    assert sampler.global_batch_sizes() == [4, 4, 4]  # last batch of 1 < 3 processes: dropped
+    assert sampler.global_batch_sizes() == [4, 4, 4, 1]  # 1 < 3 processes: kept (stand-ins)
+    assert [sampler.local_size(4), sampler.local_size(1)] == [1, 0]
     sampler = ShardedBatchSampler(14, 4, shuffle=False, seed=0, rank=0, world_size=3)
-    assert sampler.global_batch_sizes() == [4, 4, 4]
+    assert sampler.global_batch_sizes() == [4, 4, 4, 2]
     sampler = ShardedBatchSampler(14, 4, shuffle=False, seed=0, world_size=2)
     assert sampler.global_batch_sizes() == [4, 4, 4, 2]
     sampler = ShardedBatchSampler(15, 4, shuffle=False, seed=0, rank=0, world_size=3)
@@ -39,9 +40,18 @@ def test_uneven_last_batch_is_split_and_weighted_exactly() -> None:
     assert [sampler.local_size(4), sampler.local_size(3)] == [2, 1]
 
 
-def test_training_drops_a_last_batch_smaller_than_the_world() -> None:
+def test_training_keeps_a_last_batch_smaller_than_the_world_with_stand_ins() -> None:
+    """Every process takes the last step: one without a sample of it gets the batch's first
+    sample as a stand-in (weighted 0 by the loader), so no sample is dropped."""
     per_rank = _parts(13, 4, 3, shuffle=False)
-    assert [len(b) for b in per_rank] == [3, 3, 3]
+    assert [len(b) for b in per_rank] == [4, 4, 4]
+    assert [b[-1] for b in per_rank] == [[12], [12], [12]]  # rank 0's sample; 1, 2 stand in
+    assert [
+        len(ShardedBatchSampler(13, 4, shuffle=False, seed=0, rank=r, world_size=3))
+        for r in range(3)
+    ] == [4, 4, 4]
+    real = [batch for rank, b in enumerate(per_rank) for batch in b if rank == 0 or batch != [12]]
+    assert sorted(i for batch in real for i in batch) == list(range(13))
 
 
 def test_evaluation_sees_every_sample_exactly_once() -> None:
@@ -99,11 +109,12 @@ def test_each_rank_gets_its_tensor_split_part_and_skips_an_empty_one() -> None:
     assert [len(p) for p in parts] == [4, 3, 3]
     parts[0].set_epoch(0, start_batch=1)
     assert list(parts[0]) == [[4, 5], [8, 9], [12]] and len(parts[0]) == 3
-    # evaluation takes any batch size; training needs one sample per process at least
+    # evaluation takes any batch size; training needs one sample per process at least, and
+    # trains on the last batch of 2 samples with stand-ins on ranks 2 and 3
     assert (
         len(ShardedBatchSampler(10, 2, shuffle=False, seed=0, world_size=4, evaluation=True)) == 5
     )
-    assert len(ShardedBatchSampler(10, 4, shuffle=False, seed=0, world_size=4)) == 2
+    assert len(ShardedBatchSampler(10, 4, shuffle=False, seed=0, world_size=4)) == 3
 
 
 def test_unseeded_orders_come_from_the_loaders_generator_or_rank_0s_draw() -> None:

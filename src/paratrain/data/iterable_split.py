@@ -1,0 +1,75 @@
+"""An ``IterableDataset`` split across DataLoader workers and processes: each item once.
+
+torch gives every DataLoader worker a copy of an iterable data set, and each copy yields the
+whole stream unless the data set splits itself; every process of a run would do the same.
+``rt.setup_loader`` therefore splits it by the items' places in the stream: number them
+0, 1, 2, ... in the order the data set yields them; worker ``w`` of ``W`` on the part ``r``
+of ``R`` (the process's part of the data) keeps the items ``i`` with
+``i % (W * R) == r * W + w``. Every worker reads the whole stream and keeps its share.
+
+A data set that already splits itself (``torch.utils.data.get_worker_info()``, its rank)
+cannot be told from one that does not, so the rule is stated, not guessed: one whose class
+(or instance) sets ``splits_itself = True`` is handed to the workers as it is.
+
+With one worker and one process the order is the stream's. With several workers each
+batch holds one worker's items (torch's own way with iterable data sets): the samples of an
+epoch do not depend on ``num_workers``, its batches do.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+#: the attribute by which a data set says that it splits its stream itself
+SPLITS_ITSELF = "splits_itself"
+
+
+def splits_itself(dataset: Any) -> bool:
+    """Whether ``dataset`` says it splits its stream across workers and processes itself."""
+    return getattr(dataset, SPLITS_ITSELF, False) is True
+
+
+class SplitIterable(IterableDataset[Any]):
+    """The items of ``dataset`` that belong to this worker of the part ``part`` of ``parts``."""
+
+    def __init__(self, dataset: IterableDataset[Any], part: int, parts: int) -> None:
+        self.dataset = dataset
+        self.part = part
+        self.parts = parts
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()  # None in the main process (num_workers=0)
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        return itertools.islice(
+            self.dataset, self.part * workers + worker, None, workers * self.parts
+        )
+
+
+def split_iterable_loader(
+    loader: DataLoader[Any], part: int, parts: int, pin_memory: bool
+) -> DataLoader[Any]:
+    """``loader`` (of an ``IterableDataset``) with its data set split as the module says; as
+    it is where nothing is to be split (one process, no workers) or the data set splits
+    itself."""
+    dataset = loader.dataset
+    if splits_itself(dataset) or (parts == 1 and loader.num_workers == 0):
+        return loader
+    assert isinstance(dataset, IterableDataset)
+    return DataLoader(
+        SplitIterable(dataset, part, parts),
+        batch_size=loader.batch_size,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=pin_memory or loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+    )
