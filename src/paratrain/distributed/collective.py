@@ -22,6 +22,20 @@ ReduceOp = str  # "sum" | "mean" | "max" | "min"
 _NOTHING = contextlib.nullcontext()
 
 
+class Reduction:
+    """An all-reduce started and not waited for: :meth:`result` waits (if it must)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensor.device
+
+    def result(self) -> torch.Tensor:
+        return self._tensor
+
+
 class Collective:
     """Collectives of a one-process run: every operation returns its input."""
 
@@ -35,6 +49,11 @@ class Collective:
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return tensor
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> Reduction:
+        """:meth:`all_reduce` without waiting for the other processes: the step's agreement
+        travels while the backward runs (``op``: sum, max or min)."""
+        return Reduction(tensor)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]

@@ -20,9 +20,10 @@ reads the reduced one by name):
 
 A stop rides along with whatever agreement comes first; ``rt.should_stop()`` then uses the
 last one read instead of running its own all-reduce. On the quiet path (the default: the
-``error`` policy, no ``--oom auto``) a step's agreement is sent before its backward and read
-at the next step's, from a host copy made without waiting for the device, so a step never
-waits for its own all-reduce. A non-finite loss therefore stops every process by the next
+``error`` policy, no ``--oom auto``) a step's agreement is started before its backward and
+read at the next step's, so a step never waits for its own all-reduce: on gloo it travels on
+gloo's threads while the backward runs, on NCCL on the collective's stream, and its host copy
+is made without waiting for the device. A non-finite loss therefore stops every process by the next
 step (its message names its own step), and a signal is acted on one step after the
 agreement that carried it; ``rt.save``, ``rt.save_weights``, ``rt.settle`` and the
 runtime's collectives read every agreement first, so nothing is written from a step with
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from paratrain.distributed.collective import Collective
+from paratrain.distributed.collective import Collective, Reduction
 from paratrain.launching import preemption
 from paratrain.utils.errors import LaunchError
 
@@ -145,22 +146,29 @@ class Told:
 
 
 class HostCopy:
-    """A small tensor's values on the host, copied without waiting for the device: on CUDA
-    into pinned memory behind an event, read (waiting if it must) only when asked."""
+    """A small all-reduce's values on the host, read only when asked: on CUDA copied into
+    pinned memory behind an event (the host never waits for the device to make it); on the
+    CPU the all-reduce itself is waited for then (gloo runs it on its own threads while
+    this process goes on with the backward)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, reduction: Reduction) -> None:
         self._event: Any = None
-        if tensor.device.type == "cuda":
+        self._reduction: Reduction | None = reduction
+        self._host: torch.Tensor | None = None
+        if reduction.device.type == "cuda":
+            tensor = reduction.result()  # the stream waits for the collective, not the host
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:  # the CPU's values are there already (MPS: read when asked)
-            self._host = tensor
+            self._reduction = None
 
     def values(self) -> list[float]:
-        if self._event is not None:
+        if self._reduction is not None:  # the CPU (MPS: read when asked)
+            self._host, self._reduction = self._reduction.result(), None
+        elif self._event is not None:
             self._event.synchronize()
+        assert self._host is not None
         return self._host.tolist()
 
 
@@ -214,11 +222,11 @@ class StepAgreement:
         self.settle(collective)  # the previous step's, whose all-reduce ended long ago
         self.begun += 1
         if collective.world_size == 1:
-            message = bad.reshape(1).to(torch.float64)
+            message = Reduction(bad.reshape(1).to(torch.float64))
         else:
             signum, minus_at = preemption.local_values()
             proposal = Proposal(step, signum=signum, minus_at=minus_at)
-            message = collective.all_reduce(proposal.encode(bad, None), "max")
+            message = collective.start_all_reduce(proposal.encode(bad, None), "max")
         copy = HostCopy(message)
         self._sent.append(_Sent(step, here, collective.rank, collective.world_size, copy, on_read))
 

@@ -165,7 +165,6 @@ class TrainingStep:
         """Stages 3 and 4 on the quiet path: the agreement is sent, not waited for."""
         rt = self.rt
         collective, nonfinite = rt.strategy.collective, rt.nonfinite
-        rt.state.agreement.settle(collective)  # the previous micro-batch's, ended long ago
         look = nonfinite.look(loss, collective, step, rt.state.ends_group, deferred=True)
         nonfinite.sent(look)
         rt.state.skipped = False

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed import loopback
-from paratrain.distributed.collective import Collective, ReduceOp
+from paratrain.distributed.collective import Collective, Reduction, ReduceOp
 from paratrain.distributed.collective_order import LEDGER
 from paratrain.utils import environment
 from paratrain.utils.errors import UserError
@@ -121,6 +121,12 @@ class TorchCollective(Collective):
             work = work / self.world_size
         return work.to(tensor.device)
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> Reduction:
+        if op not in _OPS or op == "mean":
+            raise UserError(f"start_all_reduce takes sum, max or min, not {op!r}")
+        work = self._out(tensor)
+        return _Started(work, dist.all_reduce(work, _OPS[op], group=self.group, async_op=True))
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on every rank), in rank order."""
         work = self._out(tensor)
@@ -142,3 +148,18 @@ class TorchCollective(Collective):
             dist.barrier(group=self.group, device_ids=[self.device.index or 0])
         else:
             dist.barrier(group=self.group)
+
+
+class _Started(Reduction):
+    """gloo: the all-reduce runs on gloo's threads while this process goes on; nccl: on
+    the collective's stream (waiting makes the current stream wait, not the host)."""
+
+    def __init__(self, tensor: torch.Tensor, work: Any) -> None:
+        super().__init__(tensor)
+        self._work: Any = work
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
