@@ -1,6 +1,8 @@
 """The runtime's collectives (``rt.all_reduce``, ``rt.all_gather``, ``rt.broadcast_object``,
-``rt.barrier``): each named for the collective-order check, each first agreeing on a
-pending non-finite loss so that no process waits in a collective the others left.
+``rt.barrier``, and a shuffled loader's seed at the start of its epoch): each named for the
+collective-order check, each first checking that every rank is in the same call with the
+same tensor (:mod:`paratrain.runtime.call_check`), which also agrees on a pending
+non-finite loss so that no process waits in a collective the others left.
 
 ``rt.all_reduce`` and ``rt.all_gather`` combine the values of the data (``over="data"``, the
 default): one process per part of the data, so that a count made from the batches counts
@@ -18,8 +20,8 @@ from typing import TypeVar
 
 import torch
 
-from paratrain.distributed.collective import Collective, ReduceOp
-from paratrain.runtime.agreement import BEFORE_COLLECTIVE
+from paratrain.distributed.collective import ReduceOp
+from paratrain.runtime.call_check import SHUFFLE, Call, check_call
 from paratrain.runtime.evaluation_notes import EvaluationNotes
 from paratrain.runtime.parts import RuntimeParts
 from paratrain.utils.errors import UserError
@@ -47,7 +49,7 @@ class RuntimeCollectives:
         self.notes.reduced()
         collective = self.rt.strategy.collective
         with collective.operation("rt.all_reduce"):
-            self._agree(collective, "all_reduce")
+            self._agree(Call.of("rt.all_reduce", tensor, op=op))
             if leaders is None:
                 return collective.all_reduce(tensor, op)
             return _reduce([collective.all_gather(tensor)[r] for r in leaders], op)
@@ -57,7 +59,7 @@ class RuntimeCollectives:
         self.notes.reduced()
         collective = self.rt.strategy.collective
         with collective.operation("rt.all_gather"):
-            self._agree(collective, "all_gather")
+            self._agree(Call.of("rt.all_gather", tensor))
             gathered = collective.all_gather(tensor)
             return gathered if leaders is None else [gathered[r] for r in leaders]
 
@@ -74,31 +76,25 @@ class RuntimeCollectives:
     def broadcast_object(self, obj: T, src: int = 0) -> T:
         collective = self.rt.strategy.collective
         with collective.operation("rt.broadcast_object"):
-            self._agree(collective, "broadcast_object")
+            self._agree(Call.of("rt.broadcast_object", src=src))
             return collective.broadcast_object(obj, src)  # type: ignore[no-any-return,unused-ignore]
 
     def barrier(self) -> None:
         collective = self.rt.strategy.collective
         with collective.operation("rt.barrier"):
-            self._agree(collective, "barrier")
+            self._agree(Call.of("rt.barrier"))
             collective.barrier()
 
-    def _agree(self, collective: Collective, what: str) -> None:
-        """Before a collective of the user's: check that every rank is at one too (the
-        step's agreement with a step of -1: a rank still training meets it in its step)."""
-        state = self.rt.state
-        state.agreement.settle(collective)  # the last step's checks first (a NaN raises)
-        # the same small all-reduce catches a rank still training: part of the check that
-        # --no-collective-check turns off
-        checks = self.rt.config.collective_check
-        if checks and collective.world_size > 1 and not state.local_only:
-            here = f"in rt.{what} after {state.step} training steps"
-            state.agreement.exchange(collective, BEFORE_COLLECTIVE, here)
+    def _agree(self, call: Call) -> None:
+        """Before a collective of the user's: every rank in the same call (the step's
+        agreement with a step of -1: a rank still training meets it in its step)."""
+        check_call(self.rt, call, f"in {call.name} after {self.rt.state.step} training steps")
 
     def agree_seed(self, seed: int) -> int:
         """Rank 0's draw of a loader's permutation seed, on every process."""
         collective = self.rt.strategy.collective
-        with collective.operation("the shuffle of a loader (at the start of its epoch)"):
+        with collective.operation(SHUFFLE):
+            self._agree(Call.of(SHUFFLE))
             return int(collective.broadcast_object(seed))
 
 

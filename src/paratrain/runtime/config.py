@@ -220,11 +220,13 @@ class RuntimeConfig:
     collective_check: bool = option(
         True,
         "processes that disagree about the next collective (a half-ported script: rt.save "
-        "under a rank guard, loops of unequal length) are stopped within a minute with one "
-        "message instead of hanging; False (--no-collective-check): no check, no "
-        "background thread and no small all-reduce before rt.all_reduce, rt.all_gather, "
-        "rt.broadcast_object and rt.barrier, for the last microseconds of each collective "
-        "(paratrain.distributed.collective_order)",
+        "under a rank guard, loops of unequal length, tensors of different dtypes or shapes) "
+        "are stopped with one message instead of hanging or pairing unrelated calls; False "
+        "(--no-collective-check): no check, no background thread and no small all-reduce "
+        "before rt.all_reduce, rt.all_gather, rt.broadcast_object, rt.barrier, rt.save, "
+        "rt.load, rt.save_weights and a shuffled loader's epoch, for the last microseconds "
+        "of each collective (paratrain.distributed.collective_order, "
+        "paratrain.runtime.call_check)",
         flag="--no-collective-check",
         cli={"action": "store_false", "default": None},
     )

@@ -41,13 +41,15 @@ from torch import nn
 
 from paratrain.distributed.collective import Collective
 from paratrain.utils import injection
-from paratrain.utils.errors import UserError
+from paratrain.utils.errors import LaunchError, UserError
 
 OOM_MODES = ("auto", "off")
 
 
-class OutOfMemoryStop(RuntimeError):
-    """Running out of memory where the step cannot be redone; the message says why."""
+class OutOfMemoryStop(LaunchError):
+    """Running out of memory where the step cannot be redone; the message says why, in one
+    line (exit code 1, no traceback: what the user changes is the batch, the precision or
+    the layout, not the code the traceback would show)."""
 
 
 def check_oom_mode(mode: str) -> str:

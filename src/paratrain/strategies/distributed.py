@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed import loopback
-from paratrain.distributed.collective import Collective, Reduction, ReduceOp
+from paratrain.distributed.collective import Collective, ReduceOp, Reduction
 from paratrain.distributed.collective_order import LEDGER
 from paratrain.utils import environment
 from paratrain.utils.errors import UserError
