@@ -7,6 +7,8 @@
 * ``rt.save`` in the middle of an accumulation group and ``rt.load`` in a fresh process
   continue the group: the resumed run ends bit-identical to the uninterrupted one. Under
   fsdp such a save is refused with one line.
+* ``paratrain train`` hands its recipe's scheduler to ``rt.setup``: a step skipped for a
+  non-finite loss does not advance it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.cli import main_in_process
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain.checkpoints.state import list_checkpoints
 from paratrain.checkpoints.weights import unwrap_model
+from paratrain.training import recipes
 from paratrain.utils.errors import UserError
 
 pytestmark = pytest.mark.slow  # real processes, or several layers at work
@@ -163,3 +168,48 @@ def test_a_checkpoint_inside_a_group_is_refused_under_fsdp(tmp_path: Path) -> No
     rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu", seed=0, accumulate=2)
     with pytest.raises(UserError, match=r"'model' is sharded \(fsdp\) and the save comes after 1"):
         rt.launch(_resumable, tmp_path / "fsdp.pt", SAVE_AT + 1)
+
+
+# -- paratrain train: the recipe's scheduler goes through rt.setup ---------------------------
+def _regression_data(cfg: Any) -> tuple[TensorDataset, TensorDataset]:
+    return _data(96), _data(32)
+
+
+@pytest.fixture
+def scheduled_recipe(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A recipe whose StepLR halves the learning rate at every optimizer step."""
+    recipe = recipes.Recipe(
+        name="test-scheduled",
+        description="test only",
+        epochs=2,  # three optimizer steps each
+        batch_size=16,
+        lr=0.05,
+        build_model=lambda cfg: nn.Linear(6, 2),
+        build_data=_regression_data,
+        build_optimizer=lambda params, cfg: torch.optim.SGD(params, lr=0.05),
+        build_loss=nn.MSELoss,
+        classification=False,
+        build_scheduler=lambda optimizer, cfg: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+    )
+    monkeypatch.setitem(recipes._RECIPES, recipe.name, recipe)
+    return recipe.name
+
+
+def test_paratrain_trains_scheduler_skips_a_step_skipped_for_a_non_finite_loss(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    scheduled_recipe: str,
+) -> None:
+    """Under --accumulate 2, both micro-batches of step 3 have a NaN loss: --skip-nonfinite
+    skips them, that optimizer step applies nothing, and the scheduler stays where it was."""
+    monkeypatch.setenv("PARATRAIN_TEST_FAULT", "nan:0:3")
+    code, _, err = main_in_process(
+        capsys, "train", "--no-progress", "--strategy", "cpu", "--recipe", scheduled_recipe,
+        "--accumulate", "2", "--skip-nonfinite", "--max-steps", "5", "--out", tmp_path / "run",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "at step 3; every rank skipped it" in err
+    checkpoint = list_checkpoints(tmp_path / "run")[-1]
+    scheduler = torch.load(checkpoint / "scheduler.pt", weights_only=True)
+    assert scheduler["last_epoch"] == 4  # five optimizer steps, one of them skipped

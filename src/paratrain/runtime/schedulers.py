@@ -68,9 +68,14 @@ class GatedScheduler:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # pickled and copied as the user's own class (this one is made at run time)
-        plain: Any = object.__new__(self._paratrain_base)
-        plain.__dict__ = self.__dict__
-        return plain.__reduce_ex__(protocol)
+        return _rebuilt, (self._paratrain_base, self.__dict__)
+
+
+def _rebuilt(cls: type, state: dict[str, Any]) -> Any:
+    """A pickled or copied scheduler, of the user's class."""
+    plain: Any = object.__new__(cls)
+    plain.__dict__.update(state)
+    return plain
 
 
 class _SchedulerProxy:
@@ -80,6 +85,10 @@ class _SchedulerProxy:
     def __init__(self, scheduler: Any, gate: _Gate) -> None:
         object.__setattr__(self, "_paratrain_scheduler", scheduler)
         object.__setattr__(self, "_paratrain_gate", gate)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() sees the scheduler's class
+        return type(self._paratrain_scheduler)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._paratrain_gate.opens():
@@ -93,17 +102,16 @@ class _SchedulerProxy:
         setattr(self._paratrain_scheduler, name, value)
 
 
-def gate_scheduler(scheduler: Any, optimizer: Any) -> Any:
+def gate_scheduler(scheduler: Any, optimizer: Any, steps: OptimizerSteps | None) -> Any:
     """``scheduler`` stepping only when ``optimizer`` (the one ``rt.setup`` returns)
-    applied gradients; untouched where every optimizer step applies."""
+    applied gradients, which ``steps`` counts; untouched where every step applies (None)."""
     own = getattr(scheduler, "optimizer", None)
     if isinstance(own, torch.optim.Optimizer) and own.__dict__ is not optimizer.__dict__:
         raise UserError(
             f"rt.setup: the {type(scheduler).__name__} schedules another optimizer than the "
             "one handed to rt.setup; build it from that optimizer"
         )
-    steps = getattr(optimizer, "_paratrain_steps", None)
-    if not isinstance(steps, OptimizerSteps):
+    if steps is None:
         return scheduler  # a plain optimizer: every step applies
     gate = _Gate(steps)
     base = type(scheduler)

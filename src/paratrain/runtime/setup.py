@@ -109,7 +109,8 @@ class RuntimeSetup:
             loss_fn = strategy.wrap_loss(loss_fn)
             result.append(naming_nondeterministic(loss_fn) if config.deterministic else loss_fn)
         if scheduler is not None:
-            result.append(gate_scheduler(scheduler, optimizer))
+            steps = optimizer._paratrain_steps if isinstance(optimizer, RuntimeOptimizer) else None
+            result.append(gate_scheduler(scheduler, optimizer, steps))
         return result[0] if len(result) == 1 else tuple(result)
 
     def _materialize(self, model: nn.Module) -> None:
