@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from paratrain.checkpoints.state import load_state, save_model_weights, save_state
+from paratrain.checkpoints.state import GroupPosition, load_state, save_model_weights, save_state
 from paratrain.runtime.call_check import Call, check_call
 from paratrain.runtime.parts import RuntimeParts
 
@@ -23,10 +23,14 @@ class RuntimeCheckpoints:
         self.rt = rt
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-        strategy = self.rt.strategy
+        strategy, step = self.rt.strategy, self.rt.state
+        # inside an accumulation group: its gradients and position too (only then)
+        group = None
+        if step.micro_steps:
+            group = GroupPosition(step.micro_steps, step.accumulate, step.sync_gradients)
         with strategy.collective.operation("rt.save"):
             self._agree("rt.save")
-            save_state(strategy.collective, strategy.devices, path, state)
+            save_state(strategy.collective, strategy.devices, path, state, group)
 
     def load(
         self, path: str | os.PathLike[str], into: dict[str, Any] | None, rng: bool
@@ -34,7 +38,7 @@ class RuntimeCheckpoints:
         strategy = self.rt.strategy
         with strategy.collective.operation("rt.load"):
             self._agree("rt.load")
-            return load_state(strategy.collective, strategy.devices, path, into, rng)
+            return load_state(strategy.collective, strategy.devices, path, into, rng, self.rt.state)
 
     def save_weights(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
         collective = self.rt.strategy.collective

@@ -216,20 +216,25 @@ class Runtime:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
+        scheduler: Any = None,
         *,
         init_seed: int | None = None,
     ) -> Any:
         """Place ``model`` (and the optimizer's state) and wrap them for the strategy.
 
         Returns what it was given, in the same order: ``model``, ``(model, optimizer)``,
-        ``(model, loss_fn)`` or ``(model, optimizer, loss_fn)``. A model built on the meta
-        device gets its weights from ``init_seed`` (default: the runtime's ``seed``), each
-        process only its part (:mod:`paratrain.models.meta_init`).
+        ``(model, loss_fn)``, ``(model, optimizer, loss_fn)``, ``(model, optimizer,
+        scheduler)`` or ``(model, optimizer, loss_fn, scheduler)``. The LR scheduler
+        returned (the same class, the same ``state_dict()``) advances only when
+        ``optimizer.step()`` applied gradients: once per group of ``accumulate``
+        micro-batches, not after a step skipped for a non-finite loss or by a GradScaler.
+        A model built on the meta device gets its weights from ``init_seed`` (default: the
+        runtime's ``seed``), each process only its part (:mod:`paratrain.models.meta_init`).
         """
         self._connect()
         self._parts.init_seed = init_seed if init_seed is not None else self.seed
         with self.strategy.collective.operation("rt.setup"):  # DDP broadcasts the weights
-            return self._groups.setup.model(model, optimizer, loss_fn)
+            return self._groups.setup.model(model, optimizer, loss_fn, scheduler)
 
     def setup_loader(
         self,

@@ -1,7 +1,8 @@
-"""What ``rt.setup`` applies to a model, its optimizer and its loss function, in order:
-SyncBatchNorm, activation checkpointing, placement, the speed options, the strategy's
-wrapper, the device guard, the precision's forward and the deterministic-mode names; and
-what ``rt.setup_loader`` applies to a loader (the global batch, the data path, the shard)."""
+"""What ``rt.setup`` applies to a model, its optimizer, its loss function and its LR
+scheduler, in order: SyncBatchNorm, activation checkpointing, placement, the speed options,
+the strategy's wrapper, the device guard, the precision's forward and the deterministic-mode
+names, the accumulating optimizer and the scheduler that follows it; and what
+``rt.setup_loader`` applies to a loader (the global batch, the data path, the shard)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from paratrain.models.meta_init import MetaInit, is_meta
 from paratrain.runtime.activation_checkpointing import apply_activation_checkpointing
 from paratrain.runtime.batching import global_batch_size
 from paratrain.runtime.determinism import naming_nondeterministic
-from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state
+from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state, warn_once_on_main
 from paratrain.runtime.parts import RuntimeParts
+from paratrain.runtime.schedulers import gate_scheduler, is_scheduler
 from paratrain.strategies import Strategy
 from paratrain.utils.errors import UserError
 
@@ -57,9 +59,18 @@ class RuntimeSetup:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         loss_fn: Callable[..., torch.Tensor] | None,
+        scheduler: Any = None,
     ) -> Any:
-        """``model``, ``(model, optimizer)``, ``(model, loss_fn)`` or
-        ``(model, optimizer, loss_fn)``, placed and wrapped."""
+        """What it was given, in the same order (``model``, then the optimizer, the loss
+        function and the scheduler given), placed and wrapped. A scheduler given in the
+        loss function's place (``rt.setup(model, optimizer, scheduler)``) is one."""
+        if scheduler is None and loss_fn is not None and is_scheduler(loss_fn):
+            loss_fn, scheduler = None, loss_fn  # returned in the same place all the same
+        if scheduler is not None and optimizer is None:
+            raise UserError(
+                "rt.setup: an LR scheduler follows its optimizer's steps: hand the optimizer "
+                "too, rt.setup(model, optimizer, scheduler)"
+            )
         rt = self.rt
         strategy, config = rt.strategy, rt.config
         if strategy.needs_loss_fn and loss_fn is None:
@@ -93,10 +104,14 @@ class RuntimeSetup:
         )
         result: list[Any] = [wrapped]
         if optimizer is not None:
-            result.append(self._setup_optimizer(model, optimizer))
+            optimizer = self._setup_optimizer(model, optimizer)
+            result.append(optimizer)
         if loss_fn is not None:
             loss_fn = strategy.wrap_loss(loss_fn)
             result.append(naming_nondeterministic(loss_fn) if config.deterministic else loss_fn)
+        if scheduler is not None:
+            steps = optimizer._paratrain_steps if isinstance(optimizer, RuntimeOptimizer) else None
+            result.append(gate_scheduler(scheduler, optimizer, steps))
         return result[0] if len(result) == 1 else tuple(result)
 
     def _materialize(self, model: nn.Module) -> None:
@@ -126,9 +141,12 @@ class RuntimeSetup:
         rt = self.rt
         move_optimizer_state(optimizer, rt.strategy.root_device)
         rt.speed.prepare_optimizer(optimizer)
-        if rt.precision.scaler is None and rt.state.accumulate == 1:
+        # wrapped where a step may apply no gradient: then a scheduler must not advance
+        skips = rt.nonfinite.policy == "skip"
+        if rt.precision.scaler is None and rt.state.accumulate == 1 and not skips:
             return optimizer
-        return RuntimeOptimizer(optimizer, rt.precision, rt.state)  # type: ignore[return-value]
+        warn = warn_once_on_main(rt.strategy.collective.is_main)
+        return RuntimeOptimizer(optimizer, rt.precision, rt.state, warn)  # type: ignore[return-value]
 
     def loader(
         self,

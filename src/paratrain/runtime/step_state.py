@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from paratrain.data.loaders import PLAIN_BATCH, BatchInfo
 from paratrain.runtime.agreement import StepAgreement
 
@@ -41,6 +43,9 @@ class StepState:
         self.sync_gradients = True
         #: whether the last micro-batch's backward was skipped (a non-finite loss, ``skip``)
         self.skipped = False
+        #: whether every micro-batch of the group that ended last was skipped (``skip``):
+        #: its ``optimizer.step()`` applies no gradient
+        self.group_skipped = False
         #: the micro-batch in hand: its loss weight, whether it ends the epoch
         self.batch: BatchInfo = PLAIN_BATCH
         #: the step's one small all-reduce (:mod:`paratrain.runtime.agreement`)
@@ -49,6 +54,7 @@ class StepState:
         self.local_only = False
         self._begun = False
         self._handed: deque[BatchInfo] = deque(maxlen=_REMEMBERED)
+        self._admitted = False  # some micro-batch of the group so far had its backward
 
     # -- what loaders tell (paratrain.data.loaders.BatchSink) ---------------------------------
     def handed_out(self, info: BatchInfo) -> None:
@@ -101,8 +107,11 @@ class StepState:
         ends = self.ends_group
         self._begun = False
         self.batch = PLAIN_BATCH
+        self._admitted = self._admitted or not self.skipped
         if ends:
             self.step += 1
+            self.group_skipped = not self._admitted
+            self._admitted = False
         if self.accumulate > 1:
             self.micro_steps += 1
             self.sync_gradients = ends
@@ -111,3 +120,36 @@ class StepState:
         """``optimizer.step()`` applied the group's gradients."""
         self.micro_steps = 0
         self.sync_gradients = self.accumulate == 1
+
+    def resume_group(self, micro_steps: int, sync_gradients: bool) -> None:
+        """A checkpoint saved ``micro_steps`` micro-batches into a group (their gradients
+        restored), ``sync_gradients`` as it was then: the group goes on from there."""
+        if self.accumulate > 1 and micro_steps > 0:
+            self.micro_steps = micro_steps
+            self.sync_gradients = sync_gradients
+            self._admitted = True
+
+
+class OptimizerSteps:
+    """What one optimizer's ``step()`` calls did: how many there were and how many applied
+    gradients (an LR scheduler handed to ``rt.setup`` advances only after those). Under a
+    GradScaler, whether a step overflowed is a device flag read only when asked."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._applied = 0
+        self._overflowed: list[torch.Tensor] = []
+
+    def called(self, applied: bool, overflowed: torch.Tensor | None = None) -> None:
+        self.calls += 1
+        self._applied += applied
+        if applied and overflowed is not None:
+            self._overflowed.append(overflowed)
+
+    @property
+    def applied(self) -> int:
+        """Steps that applied gradients (reads the GradScaler's flags, a device sync)."""
+        if self._overflowed:
+            self._applied -= sum(int(flag.item()) for flag in self._overflowed)
+            self._overflowed.clear()
+        return self._applied

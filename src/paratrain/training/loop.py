@@ -221,8 +221,12 @@ def _set_up(
         model = recipe.build_model(cfg)
     optimizer = recipe.build_optimizer(model.parameters(), cfg)
     plain_loss = recipe.build_loss()
-    model, optimizer, loss_fn = rt.setup(model, optimizer, plain_loss, init_seed=cfg.seed)
+    # handed to rt.setup: it advances only when a step applies gradients, as in users' loops
     scheduler = recipe.build_scheduler(optimizer, cfg) if recipe.build_scheduler else None
+    model, optimizer, loss_fn, *rest = rt.setup(
+        model, optimizer, plain_loss, scheduler, init_seed=cfg.seed
+    )
+    scheduler = rest[0] if rest else None
     train_loader, test_loader = _loaders(rt, cfg, recipe.drop_last, train_set, test_set)
     batches_per_epoch = len(train_loader)
     parts = TrainingParts(model, optimizer, scheduler, rt.precision.scaler)
@@ -343,15 +347,16 @@ def _end_epoch(loop: LoopParts, state: LoopState, epoch_start: float, epoch_samp
 
 def train_step(loop: LoopParts, state: LoopState, x: Any, y: Any) -> tuple[torch.Tensor, bool]:
     """One batch: forward and backward (a micro-batch while accumulating), the optimizer
-    step, the scheduler where the gradients were applied, and the counting. Returns the
-    batch's loss (on the device) and whether the gradients were applied."""
+    step, the scheduler (rt.setup's: it advances where the gradients were applied), and the
+    counting. Returns the batch's loss (on the device) and whether the optimizer step ended
+    a group of micro-batches."""
     rt, model = loop.rt, loop.model
     with rt.accumulate(model):
         loss = rt.forward_backward(model, loop.loss_fn, x, y)
     applied = rt.sync_gradients
     loop.optimizer.step()
     loop.optimizer.zero_grad()
-    if applied and loop.scheduler is not None:
+    if loop.scheduler is not None:
         loop.scheduler.step()
     info = batch_info(y)
     # a stand-in (a process with no sample of the last batch) trains on weight 0: no sample

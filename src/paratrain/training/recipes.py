@@ -41,7 +41,8 @@ class Recipe:
     classification: bool = True
     drop_last: bool = False
     uses_data_dir: bool = False
-    #: an LR scheduler built after the runtime's setup, stepped once per optimizer step
+    #: an LR scheduler, built from the optimizer before the runtime's setup and handed to
+    #: it: stepped after every ``optimizer.step()``, it advances where gradients were applied
     build_scheduler: Callable[[torch.optim.Optimizer, RecipeSettings], Any] | None = None
     #: ``--download``: fetch the data into a folder (None: the default cache), return it
     download_data: Callable[[str | None], str] | None = None

@@ -12,6 +12,7 @@ generators all come back.
 
 from __future__ import annotations
 
+from paratrain.checkpoints.state.group import GroupPosition
 from paratrain.checkpoints.state.rng import capture_rng, restore_rng
 from paratrain.checkpoints.state.sharded import save_model_weights
 from paratrain.checkpoints.state.snapshot import (
@@ -33,6 +34,7 @@ from paratrain.checkpoints.state.user import load_state, save_state
 __all__ = [
     "CHECKPOINTS",
     "Checkpointer",
+    "GroupPosition",
     "Position",
     "ProcessLayout",
     "TrainingParts",

@@ -3,7 +3,9 @@
 One ``torch.save`` file: modules as plain state dicts (no ``module.``/``_orig_mod.``),
 optimizers, LR schedulers and GradScalers as their ``state_dict()``, tensors on the CPU,
 plain values as they are, and every process's generator states under a reserved key.
-Written once, by the main process, atomically; read by every process.
+Saved inside an accumulation group, the group's gradients and position as well
+(:mod:`paratrain.checkpoints.state.group`). Written once, by the main process, atomically;
+read by every process.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from torch import nn
 from paratrain.checkpoints.files import load_weights
 from paratrain.checkpoints.files.readers import read_torch
 from paratrain.checkpoints.state.collect import gather_to_main
+from paratrain.checkpoints.state.group import GroupPosition, capture_group, restore_group
 from paratrain.checkpoints.state.rng import capture_rng, restore_rng
 from paratrain.checkpoints.state.sharded import (
     load_optimizer_state,
@@ -34,26 +37,38 @@ RESERVED = "__paratrain__"
 _PLAIN = (int, float, str, bool, type(None))
 
 
+class GroupState(Protocol):
+    """Where the loader's accumulation group stands (the runtime's step state)."""
+
+    accumulate: int
+
+    def resume_group(self, micro_steps: int, sync_gradients: bool) -> None: ...
+
+
 def save_state(
     collective: Collective,
     devices: Sequence[torch.device],
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
+    group: GroupPosition | None = None,
 ) -> Path:
     """Write ``state`` to ``path`` (see the module doc). Every process must call it, with
     the devices whose generators it uses; it returns once the file is complete, on every
-    process."""
+    process. ``group``: saved inside an accumulation group (micro-batches done > 0)."""
     path = Path(path)
     if RESERVED in state:
         raise UserError(f"rt.save: the key {RESERVED!r} is reserved; rename that entry")
     for key, value in state.items():
         _check(key, value)
     # Sharded (FSDP) models and optimizers are gathered whole by every process.
+    record = None if group is None else capture_group(collective, state, group)
     ready = {key: _gathered(collective, value) for key, value in state.items()}
     rngs = gather_to_main(collective, capture_rng(devices))
     if rngs is not None:
         payload = {str(key): _saveable(value) for key, value in ready.items()}
         payload[RESERVED] = {"format": 1, "world_size": collective.world_size, "rng": rngs}
+        if record is not None:
+            payload[RESERVED]["group"] = record
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: torch.save(payload, tmp))
     collective.barrier()
@@ -66,10 +81,13 @@ def load_state(
     path: str | os.PathLike[str],
     into: Mapping[str, Any] | None = None,
     rng: bool = True,
+    group: GroupState | None = None,
 ) -> dict[str, Any]:
     """Read a file ``rt.save`` wrote; load its entries into the objects of ``into`` (same
-    keys); restore this process's generators when ``rng`` and the world size is the same.
-    Returns every saved entry (tensors on the CPU), plain values included."""
+    keys); restore this process's generators when ``rng`` and the world size is the same;
+    a file saved inside an accumulation group gives ``into``'s modules the group's
+    gradients and ``group`` its position. Returns every saved entry (tensors on the CPU),
+    plain values included."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"rt.load: no such file: {path}")
@@ -82,6 +100,11 @@ def load_state(
             saved = ", ".join(map(repr, raw)) or "nothing"
             raise UserError(f"rt.load: {path} holds no {key!r}; it holds {saved}")
         _load_into(key, target, raw[key])
+    record = meta.get("group")
+    if record is not None and group is not None:
+        at = restore_group(collective, record, into or {}, group.accumulate)
+        if at is not None:
+            group.resume_group(at.micro_steps, at.sync_gradients)
     if rng:
         if meta["world_size"] == collective.world_size:
             restore_rng(meta["rng"][collective.rank], devices)
