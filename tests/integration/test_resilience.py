@@ -261,9 +261,12 @@ def test_ranks_with_different_numbers_of_batches(mode: str, tmp_path: Path) -> N
         assert result.stdout.count("batches 13") == 1
     else:
         assert result.returncode == 1, result.stderr[-3000:]
-        assert "but not every rank is: the ranks ran different numbers of batches" in (
-            result.stderr
-        ), result.stderr[-3000:]
+        # rank 1, out of data, is in rt.all_reduce while rank 0 still trains: both causes
+        # that can bring that about are named (a rank guard, uneven data)
+        assert "but another rank is still in a training step" in result.stderr, result.stderr[
+            -3000:
+        ]
+        assert "ranks ran different numbers of batches" in result.stderr
         assert "made no progress" not in result.stderr  # failed at once, no hang
 
 

@@ -1,5 +1,5 @@
 """The one small all-reduce of a training step: everything the processes must agree on
-before the backward pass, in one tensor of ten float64 numbers.
+before the backward pass, in one tensor of twelve float64 numbers.
 
 Three agreements meet at that point of a step, and each used to cost an all-reduce of its
 own: whether a loss was NaN or infinite (:mod:`paratrain.runtime.nonfinite`), whether a
@@ -16,6 +16,8 @@ reads the reduced one by name):
 5, 6    a process ran out of memory; the largest piece's samples
 7, 8    the stop: the signal's number, minus the time it arrived (earliest wins)
 9       ``pipeline``: the batch's loss, from the last stage (-inf from the others)
+10, 11  before a collective: a fingerprint of the call and minus it (every process in the
+        same call, with the same tensor: :mod:`paratrain.runtime.call_check`)
 ======  ==========================================================================
 
 A stop rides along with whatever agreement comes first; ``rt.should_stop()`` then uses the
@@ -68,6 +70,8 @@ class Verdict:
     stop: preemption.Request | None = None
     #: the finite value one process gave (a pipeline's loss); -inf if none did
     value: float = -math.inf
+    #: every process brought the same call fingerprint
+    same_call: bool = True
 
 
 #: the message's slots, in order (all float64, reduced with max)
@@ -82,6 +86,8 @@ SLOTS = (
     "signum",
     "minus_at",
     "value",
+    "call",
+    "minus_call",
 )
 _AT = {name: index for index, name in enumerate(SLOTS)}
 
@@ -96,12 +102,14 @@ class Proposal:
     samples: int = 0
     signum: float = 0.0
     minus_at: float = -math.inf
+    call: int = 0
 
     def encode(self, bad: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         slots = dict.fromkeys(SLOTS, 0.0)
         slots.update(marker=_MARKER, minus_marker=-_MARKER, step=self.step, minus_step=-self.step)
         slots.update(failed=float(self.failed), samples=float(self.samples))
         slots.update(signum=self.signum, minus_at=self.minus_at, value=-math.inf)
+        slots.update(call=float(self.call), minus_call=-float(self.call))
         place = bad if bad is not None else value
         device = None if place is None else place.device
         message = torch.tensor([slots[name] for name in SLOTS], dtype=torch.float64, device=device)
@@ -127,6 +135,8 @@ class Told:
     signum: float
     minus_at: float
     value: float
+    call: float
+    minus_call: float
 
     @classmethod
     def decode(cls, values: list[float]) -> Told:
@@ -249,6 +259,7 @@ class StepAgreement:
         failed: bool = False,
         samples: int = 0,
         value: torch.Tensor | None = None,
+        call: int = 0,
     ) -> Verdict:
         """One all-reduce (none for one process), read at once. ``bad``: this process's
         non-finite flag, on its device (no sync before the collective); ``here``: where this
@@ -267,17 +278,32 @@ class StepAgreement:
                 found if math.isfinite(found) else -math.inf,
             )
         signum, minus_at = preemption.local_values()
-        mine = Proposal(step, failed, samples, signum, minus_at)
+        mine = Proposal(step, failed, samples, signum, minus_at, call)
         told = Told.decode(collective.all_reduce(mine.encode(bad, value), "max").tolist())
         return self._told(told, step, here, collective.rank)
 
     def _told(self, told: Told, step: int, here: str, rank: int) -> Verdict:
         if not told.same_point(step):
-            raise LaunchError(
-                f"rank {rank} is {here}, but not every rank is: the ranks ran "
-                "different numbers of batches. Give every rank the same number of batches "
-                "(rt.setup_loader does), or wrap the loop in `with rt.join(model):`"
-            )
+            raise LaunchError(_out_of_step(told, rank, here))
         self.count += 1
         self.stop = preemption.settle(told.signum, told.minus_at)
-        return Verdict(told.bad, told.failed, told.samples, self.stop, told.value)
+        same_call = told.call == -told.minus_call
+        return Verdict(told.bad, told.failed, told.samples, self.stop, told.value, same_call)
+
+
+def _out_of_step(told: Told, rank: int, here: str) -> str:
+    """Why the processes are not at the same point: a rank still training while another is
+    in a collective is either out of batches or past a rank guard."""
+    lowest, highest = -told.minus_step, told.step
+    if told.same_point(int(told.step)) or lowest >= 0 or highest < 0:  # all in steps
+        return (
+            f"rank {rank} is {here}, but not every rank is: the ranks ran different numbers "
+            "of batches. Give every rank the same number of batches (rt.setup_loader does), "
+            "or wrap the loop in `with rt.join(model):`"
+        )
+    return (
+        f"rank {rank} is {here}, but another rank is still in a training step: either a call "
+        "every rank must make (rt.all_reduce, rt.barrier, rt.save...) is under a rank guard "
+        "such as `if rank == 0:` (remove the guard), or the ranks ran different numbers of "
+        "batches (give every rank the same number, or wrap the loop in `with rt.join(model):`)"
+    )

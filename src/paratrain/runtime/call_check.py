@@ -154,16 +154,8 @@ def check_call(rt: RuntimeParts, call: Call, here: str) -> None:
         return
     mine = dataclasses.replace(call, number=LEDGER.count)
     fingerprint = mine.fingerprint()
-    # The agreement's piece-size slot (max) and its value slot (max of minus it) are free
-    # before a collective: together they carry the largest and the smallest fingerprint.
-    verdict = state.agreement.exchange(
-        collective,
-        BEFORE_COLLECTIVE,
-        here,
-        samples=fingerprint,
-        value=torch.tensor(-float(fingerprint), dtype=torch.float64),
-    )
-    if verdict.samples == fingerprint and -verdict.value == fingerprint:
+    verdict = state.agreement.exchange(collective, BEFORE_COLLECTIVE, here, call=fingerprint)
+    if verdict.same_call:
         return
     # Every rank saw the same reduced numbers: all of them are here, and gather the calls.
     vectors = collective.all_gather(torch.tensor(mine.vector(), dtype=torch.int64))
