@@ -165,6 +165,9 @@ class TrainingStep:
         """Stages 3 and 4 on the quiet path: the agreement is sent, not waited for."""
         rt = self.rt
         collective, nonfinite = rt.strategy.collective, rt.nonfinite
+        # the previous micro-batch's agreement, started a forward ago (a micro-batch inside
+        # an accumulation group sends none: it is read here, not a group later)
+        rt.state.agreement.settle(collective)
         look = nonfinite.look(loss, collective, step, rt.state.ends_group, deferred=True)
         nonfinite.sent(look)
         rt.state.skipped = False
