@@ -39,6 +39,35 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def _command(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_rank_process(pid: int) -> bool:
+    """A process ``rt.launch`` started: spawned (``spawn_main``) or forked from the fork
+    server (paratrain.launching.rank_start), whose children share its command line."""
+    command = _command(pid)
+    if b"spawn_main" in command:
+        return True
+    parent = _parent(pid)
+    return b"forkserver" in command and parent is not None and b"forkserver" in _command(parent)
+
+
+def rank_processes(root: int) -> list[int]:
+    """The processes below ``root`` that ``rt.launch`` started, oldest first."""
+    return sorted(pid for pid in descendants(root) if is_rank_process(pid))
+
+
 def _socket_inodes(pids: list[int]) -> set[int]:
     inodes = set()
     for pid in pids:

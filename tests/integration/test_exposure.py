@@ -5,7 +5,6 @@ each is killed with SIGKILL once it has written a checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 from helpers.cli import start_paratrain
-from helpers.processes import alive, descendants, exposed, listening
+from helpers.processes import alive, descendants, exposed, is_rank_process, listening
 
 from paratrain.cli.main import main
 from paratrain.launching import heartbeat
@@ -230,9 +229,8 @@ def test_a_bench_stopped_while_its_ranks_start_leaves_no_process(tmp_path: Path)
 
     def ranks_starting() -> bool:
         for pid in _carrying(marker):
-            with contextlib.suppress(OSError):
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return True
+            if is_rank_process(pid):
+                return True
         return bench.poll() is not None
 
     assert _until(ranks_starting, 120) and bench.poll() is None, "no rank ever started"

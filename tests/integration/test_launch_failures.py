@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import CLI
 from helpers.cli import start_paratrain
+from helpers.processes import rank_processes
 
 import paratrain
 from paratrain.cli.main import main
@@ -44,15 +45,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def spawned_workers(pid: int) -> list[int]:
-    workers = []
-    for child in descendants(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline:
-            workers.append(child)
-    return workers
+    return rank_processes(pid)
 
 
 def wait_for(condition: object, what: str, seconds: float = 180) -> None:

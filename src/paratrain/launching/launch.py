@@ -5,8 +5,9 @@ Three ways, all PyTorch's own machinery:
 * one process, or a process a launcher already started (torchrun, ``paratrain run``, or a
   child spawned below; see :func:`~paratrain.strategies.distributed.launched`): ``fn``
   runs here;
-* several processes and none started yet: ``torch.multiprocessing`` spawns them (start
-  method ``spawn``) with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and ``MASTER_ADDR=127.0.0.1``
+* several processes and none started yet: ``torch.multiprocessing`` starts them (forked
+  from a server that imported torch once, :mod:`paratrain.launching.rank_start`) with
+  ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and ``MASTER_ADDR=127.0.0.1``
   / ``MASTER_PORT`` set to a free port; each builds its own runtime with the picklable
   ``rebuild`` it is given (``Runtime.from_config`` bound to the run's configuration);
 * ``paratrain run SCRIPT`` and ``paratrain train --nnodes/--max-restarts``:
@@ -36,11 +37,12 @@ from torch.multiprocessing.spawn import ProcessException
 
 from paratrain.launching import heartbeat, preemption
 from paratrain.launching.launcher import Launcher, report_failure, report_stop, stopped_early
-from paratrain.launching.parent_death import die_with_parent
+from paratrain.launching.parent_death import die_with_parent, process_exists
+from paratrain.launching.rank_start import Inheritance, start_method
 from paratrain.launching.watchdog import POLL_SECONDS
 from paratrain.strategies.distributed import launched
 from paratrain.utils.atomic import FULL
-from paratrain.utils.environment import REPORT_DIR_VARIABLE, export, exported
+from paratrain.utils.environment import REPORT_DIR_VARIABLE, exported
 from paratrain.utils.errors import LaunchError, UserError
 
 T = TypeVar("T")
@@ -150,13 +152,17 @@ class SpawnLauncher(Launcher):
         rebuild, fn, fn_args = args
         with self.folder("paratrain-launch-") as tmp:
             port = free_port()
-            variables = [self.rank_environment(rank, port) for rank in range(self.nprocs)]
+            here, method = dict(os.environ), start_method()  # what a spawned process gets
+            handed = [
+                Inheritance({**here, **self.rank_environment(rank, port)}, method)
+                for rank in range(self.nprocs)
+            ]
             context = mp.start_processes(
                 _worker,
-                args=(rebuild, fn, fn_args, variables, os.getpid()),
+                args=(rebuild, fn, fn_args, handed, os.getpid()),
                 nprocs=self.nprocs,
                 join=False,
-                start_method="spawn",
+                start_method=method,
             )
             # The processes have a process group of their own (see _worker): a stop signal
             # (Ctrl-C in a terminal too) reaches them once, passed on from here.
@@ -221,12 +227,16 @@ def _worker(
     rebuild: Callable[[], ProcessRuntime],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    variables: list[dict[str, str]],
+    handed: list[Inheritance],
     launcher: int,
 ) -> None:
-    """One spawned process: the launcher's environment, a fresh runtime, ``fn``."""
-    die_with_parent(launcher)  # never train on alone if the launcher is killed
-    export(variables[rank])
+    """One started process: the launcher's environment, a fresh runtime, ``fn``."""
+    # never train on alone if the launcher is killed: forked from the fork server, the
+    # process dies with the server, which ends when the launcher does
+    die_with_parent(launcher if os.getppid() == launcher else os.getppid())
+    if not process_exists(launcher):
+        os._exit(1)
+    handed[rank].adopt()
     heartbeat.arm()
     with contextlib.suppress(OSError):  # signals come from the launcher, once
         os.setpgid(0, 0)
@@ -255,7 +265,7 @@ def _worker(
         raise
     runtime.teardown()
     if rank == 0:
-        with open(Path(variables[0][REPORT_DIR_VARIABLE]) / _RESULT, "wb") as handle:
+        with open(Path(handed[0].variables[REPORT_DIR_VARIABLE]) / _RESULT, "wb") as handle:
             pickle.dump(result, handle)
 
 

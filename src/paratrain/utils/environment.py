@@ -175,6 +175,13 @@ def export(variables: Mapping[str, str]) -> None:
     os.environ.update(variables)
 
 
+def replace(variables: Mapping[str, str]) -> None:
+    """This process's environment becomes ``variables`` (a process forked from a server
+    takes its launcher's: :mod:`paratrain.launching.rank_start`)."""
+    os.environ.clear()
+    os.environ.update(variables)
+
+
 def unset(*names: str) -> None:
     for name in names:
         os.environ.pop(name, None)
