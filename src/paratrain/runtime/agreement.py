@@ -26,12 +26,19 @@ last one read instead of running its own all-reduce. On the quiet path (the defa
 ``error`` policy, no ``--oom auto``) a step's agreement is started before its backward and
 read at the next step's, so a step never waits for its own all-reduce: on gloo it travels on
 gloo's threads while the backward runs, on NCCL on the collective's stream, and its host copy
-is made without waiting for the device. A non-finite loss therefore stops every process by the next
-step (its message names its own step), and a signal is acted on one step after the
-agreement that carried it; ``rt.save``, ``rt.save_weights``, ``rt.settle`` and the
-runtime's collectives read every agreement first, so nothing is written from a step with
-a non-finite loss. Only a ``should_stop()`` with no agreement since the previous one (before
-the first step, after an evaluation, a loop without ``rt.backward``) runs one of its own.
+is made without waiting for the device. On the batches of ``rt.setup_loader`` (the same
+number on every process) the quiet path does not even agree at every step: the main process
+proposes a pace in each agreement (slot 12: the optimizer steps that make
+``agreement_seconds`` at the speed of the last ones), every process reads it at the same
+step, and the next agreement is due then (or at the epoch's end); each process keeps the
+step of its first non-finite loss on its device meanwhile. On a CPU machine a small
+all-reduce costs about a millisecond, a fifth of a small model's step. A non-finite loss
+therefore stops every process by the next agreement (its message names the step of the
+first one), and a signal is acted on one step after the agreement that carried it;
+``rt.save``, ``rt.save_weights``, ``rt.settle`` and the runtime's collectives read every
+agreement first, so nothing is written from a step with a non-finite loss. Only a
+``should_stop()`` with no training step since the previous one (before the first step,
+after an evaluation, a loop without ``rt.backward``) runs one of its own.
 Who saw which non-finite loss or ran out of memory is asked only when one did (a second
 collective, rare). Under
 ``pipeline`` the step's agreement comes after its forward and backward (they run together)

@@ -124,8 +124,10 @@ class NonFiniteCheck:
             return True
         first = look.keep if look.keep is not None else look.bad.double() * look.step
         steps = [int(part) for part in collective.all_gather(first.reshape(1))]
-        ranks = ", ".join(str(rank) for rank, at in enumerate(steps) if at > 0)
+        # the first: later ones on other ranks may only be its consequence (the gradients
+        # all-reduced between two agreements carried the NaN to every rank's weights)
         step = min(at for at in steps if at > 0)
+        ranks = ", ".join(str(rank) for rank, at in enumerate(steps) if at == step)
         if self.policy == "error":
             raise NonFiniteLossError(_message(ranks, step, self.policy))
         collective.note(f"paratrain: note: {_message(ranks, step, self.policy)}")
