@@ -199,10 +199,16 @@ def _step_rounds(
     plain_model, plain_optimizer, _ = make_parts(batch, 1, width)
     model, optimizer = rt.setup(model, optimizer)
     plain = DistributedDataParallel(plain_model)
-    generator = torch.Generator().manual_seed(rt.rank)
-    local = batch // rt.world_size
-    data = [(torch.randn(local, 64, generator=generator), torch.randint(0, 10, (local,)))]
-    data *= steps
+    generator = torch.Generator().manual_seed(0)
+    samples = TensorDataset(
+        torch.randn(batch * steps, 64, generator=generator),
+        torch.randint(0, 10, (batch * steps,), generator=generator),
+    )
+    # paratrain's batches come from rt.setup_loader (the same number on every process: the
+    # step's checks are agreed at the main process's pace); plain DDP trains on the same
+    # tensors. Both are taken out of the loader once, so that no loader is timed.
+    data = list(rt.setup_loader(DataLoader(samples, batch_size=batch)))
+    plain_data = [(x.clone(), y.clone()) for x, y in data]
     loss_fn = nn.CrossEntropyLoss()
 
     def paratrain_epoch() -> None:
@@ -216,7 +222,7 @@ def _step_rounds(
             rt.should_stop()
 
     def plain_epoch() -> None:
-        for x, y in data:
+        for x, y in plain_data:
             loss_fn(plain(x), y).backward()
             plain_optimizer.step()
             plain_optimizer.zero_grad()

@@ -22,18 +22,20 @@ import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.launching import preemption
-from paratrain.runtime.agreement import StepAgreement
+from paratrain.runtime.agreement import SLOTS, StepAgreement
 from paratrain.training.config import TrainConfig
 from paratrain.training.loop import train
 from paratrain.training.recipes import get_recipe
+from paratrain.utils.errors import NonFiniteLossError
 
 pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
 
-AGREEMENT = 10  # the agreement's numbers (paratrain.runtime.agreement)
+AGREEMENT = len(SLOTS)  # the agreement's numbers (paratrain.runtime.agreement)
 GRADIENTS = 6 * 8 + 8 + 8 * 1 + 1  # the model's parameters: DDP's one bucket
 STEPS = 3
 
@@ -174,7 +176,7 @@ def _pipeline_run(rt: paratrain.Runtime) -> dict[str, Any]:
     counted = _profiled(step)
     return {
         "collectives": Counter({k: n for k, n in counted.items() if k[0] in _GROUP_WIDE}),
-        "losses": [rt.all_gather(loss.reshape(1)) for loss in losses],
+        "losses": [rt.all_gather(loss.reshape(1), over="processes") for loss in losses],
     }
 
 
@@ -221,3 +223,54 @@ def test_an_fsdp_step_pays_one_small_all_reduce_besides_its_gathers() -> None:
     extra = counted["full"] - counted["bare"]
     assert extra == Counter({("gloo:all_reduce", AGREEMENT): STEPS}), counted
     assert not counted["bare"] - counted["full"], counted
+
+
+PER_EPOCH = 24  # optimizer steps of an epoch of the paced runs
+
+
+def _paced_run(rt: paratrain.Runtime) -> dict[str, Any]:
+    """Epochs of rt.setup_loader's batches (the same number on every process); the third
+    has a NaN loss on rank 1 at its sixth step."""
+    model = _model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(0)
+    samples = 16 * PER_EPOCH
+    data = TensorDataset(
+        torch.randn(samples, 6, generator=generator), torch.randn(samples, 1, generator=generator)
+    )
+    loader = rt.setup_loader(DataLoader(data, batch_size=16))
+
+    def epoch(nan_at: int | None = None) -> None:
+        for index, (x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if index == nan_at and rt.rank == 1:
+                loss = loss * float("nan")
+            rt.backward(loss)
+            optimizer.step()
+            rt.should_stop()
+
+    epoch()  # the first agreements: the main process's pace is known after them
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        epoch()
+    result: dict[str, Any] = {"collectives": Counter(_collectives(prof))}
+    try:
+        epoch(nan_at=5)
+        rt.settle()
+    except NonFiniteLossError as exc:
+        result["error"] = str(exc)
+    return result
+
+
+@pytest.mark.parametrize("seconds", [1000.0, 0.0])
+def test_loader_batches_agree_at_the_main_process_pace(seconds: float) -> None:
+    """--strategy ddp --devices cpu,cpu: on rt.setup_loader's batches the processes agree
+    at the main process's pace (here: at each epoch's end, 1000 s being far away) and the
+    NaN of a step between two agreements is still named with its rank and step;
+    agreement_seconds=0 agrees at every step."""
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0, agreement_seconds=seconds)
+    result = rt.launch(_paced_run)
+    assert result is not None
+    agreements = result["collectives"][("gloo:all_reduce", AGREEMENT)]
+    assert agreements == (1 if seconds else PER_EPOCH), result["collectives"]
+    assert "NaN or infinite on rank 1 at step " + str(2 * PER_EPOCH + 6) in result["error"]

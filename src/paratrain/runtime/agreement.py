@@ -1,5 +1,5 @@
 """The one small all-reduce of a training step: everything the processes must agree on
-before the backward pass, in one tensor of twelve float64 numbers.
+before the backward pass, in one tensor of thirteen float64 numbers.
 
 Three agreements meet at that point of a step, and each used to cost an all-reduce of its
 own: whether a loss was NaN or infinite (:mod:`paratrain.runtime.nonfinite`), whether a
@@ -18,6 +18,7 @@ reads the reduced one by name):
 9       ``pipeline``: the batch's loss, from the last stage (-inf from the others)
 10, 11  before a collective: a fingerprint of the call and minus it (every process in the
         same call, with the same tensor: :mod:`paratrain.runtime.call_check`)
+12      the main process's pace: optimizer steps until the next agreement (see below)
 ======  ==========================================================================
 
 A stop rides along with whatever agreement comes first; ``rt.should_stop()`` then uses the
@@ -25,12 +26,19 @@ last one read instead of running its own all-reduce. On the quiet path (the defa
 ``error`` policy, no ``--oom auto``) a step's agreement is started before its backward and
 read at the next step's, so a step never waits for its own all-reduce: on gloo it travels on
 gloo's threads while the backward runs, on NCCL on the collective's stream, and its host copy
-is made without waiting for the device. A non-finite loss therefore stops every process by the next
-step (its message names its own step), and a signal is acted on one step after the
-agreement that carried it; ``rt.save``, ``rt.save_weights``, ``rt.settle`` and the
-runtime's collectives read every agreement first, so nothing is written from a step with
-a non-finite loss. Only a ``should_stop()`` with no agreement since the previous one (before
-the first step, after an evaluation, a loop without ``rt.backward``) runs one of its own.
+is made without waiting for the device. On the batches of ``rt.setup_loader`` (the same
+number on every process) the quiet path does not even agree at every step: the main process
+proposes a pace in each agreement (slot 12: the optimizer steps that make
+``agreement_seconds`` at the speed of the last ones), every process reads it at the same
+step, and the next agreement is due then (or at the epoch's end); each process keeps the
+step of its first non-finite loss on its device meanwhile. On a CPU machine a small
+all-reduce costs about a millisecond, a fifth of a small model's step. A non-finite loss
+therefore stops every process by the next agreement (its message names the step of the
+first one), and a signal is acted on one step after the agreement that carried it;
+``rt.save``, ``rt.save_weights``, ``rt.settle`` and the runtime's collectives read every
+agreement first, so nothing is written from a step with a non-finite loss. Only a
+``should_stop()`` with no training step since the previous one (before the first step,
+after an evaluation, a loop without ``rt.backward``) runs one of its own.
 Who saw which non-finite loss or ran out of memory is asked only when one did (a second
 collective, rare). Under
 ``pipeline`` the step's agreement comes after its forward and backward (they run together)
@@ -40,6 +48,7 @@ and also hands every process the last stage's loss, which used to be one more al
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +60,8 @@ from paratrain.distributed.collective import Collective, Reduction
 from paratrain.launching import preemption
 from paratrain.utils.errors import LaunchError
 
+#: optimizer steps between two agreements at most, however fast the steps
+MAX_PACE = 1000
 _MARKER = 7919.0  # a prime: unlikely to be what an unrelated collective holds there
 #: the step of an agreement before one of the user's collectives, and of rt.should_stop's own
 BEFORE_COLLECTIVE = -1
@@ -88,6 +99,7 @@ SLOTS = (
     "value",
     "call",
     "minus_call",
+    "pace",
 )
 _AT = {name: index for index, name in enumerate(SLOTS)}
 
@@ -103,13 +115,14 @@ class Proposal:
     signum: float = 0.0
     minus_at: float = -math.inf
     call: int = 0
+    pace: int = 0
 
     def encode(self, bad: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         slots = dict.fromkeys(SLOTS, 0.0)
         slots.update(marker=_MARKER, minus_marker=-_MARKER, step=self.step, minus_step=-self.step)
         slots.update(failed=float(self.failed), samples=float(self.samples))
         slots.update(signum=self.signum, minus_at=self.minus_at, value=-math.inf)
-        slots.update(call=float(self.call), minus_call=-float(self.call))
+        slots.update(call=float(self.call), minus_call=-float(self.call), pace=float(self.pace))
         place = bad if bad is not None else value
         device = None if place is None else place.device
         message = torch.tensor([slots[name] for name in SLOTS], dtype=torch.float64, device=device)
@@ -137,6 +150,7 @@ class Told:
     value: float
     call: float
     minus_call: float
+    pace: float
 
     @classmethod
     def decode(cls, values: list[float]) -> Told:
@@ -213,6 +227,30 @@ class StepAgreement:
         #: the stop agreed on at the last one
         self.stop: preemption.Request | None = None
         self._sent: deque[_Sent] = deque()
+        #: seconds between two agreements of the quiet path (0: every optimizer step)
+        self.seconds = 0.0
+        #: the optimizer step (1-based) whose agreement is the next one due
+        self.next_at = 0
+        #: the main process: when and at which step it sent the last one
+        self._paced_from: tuple[float, int] | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether the quiet path's agreement is due at optimizer step ``step``: every step,
+        or, with ``seconds`` set, at the step the main process's pace named (the same on
+        every process: it travels in the agreement, read at the same step everywhere)."""
+        return self.seconds <= 0 or step >= self.next_at
+
+    def _pace(self, rank: int, step: int) -> int:
+        """The main process's proposal: how many optimizer steps make ``seconds`` at the
+        speed of the steps since the last agreement (the others propose 0)."""
+        if rank != 0 or self.seconds <= 0:
+            return 0
+        now = time.monotonic()
+        last, self._paced_from = self._paced_from, (now, step)
+        if last is None or step <= last[1]:
+            return 1
+        per_step = max(now - last[0], 1e-9) / (step - last[1])
+        return max(1, min(MAX_PACE, int(self.seconds / per_step)))
 
     @property
     def waiting(self) -> bool:
@@ -235,7 +273,8 @@ class StepAgreement:
             message = Reduction(bad.reshape(1).to(torch.float64))
         else:
             signum, minus_at = preemption.local_values()
-            proposal = Proposal(step, signum=signum, minus_at=minus_at)
+            pace = self._pace(collective.rank, step)
+            proposal = Proposal(step, signum=signum, minus_at=minus_at, pace=pace)
             message = collective.start_all_reduce(proposal.encode(bad, None), "max")
         copy = HostCopy(message)
         self._sent.append(_Sent(step, here, collective.rank, collective.world_size, copy, on_read))
@@ -286,6 +325,8 @@ class StepAgreement:
         if not told.same_point(step):
             raise LaunchError(_out_of_step(told, rank, here))
         self.count += 1
+        if step > 0 and told.pace > 0:  # a training step's: the next one is due then
+            self.next_at = step + int(told.pace)
         self.stop = preemption.settle(told.signum, told.minus_at)
         same_call = told.call == -told.minus_call
         return Verdict(told.bad, told.failed, told.samples, self.stop, told.value, same_call)

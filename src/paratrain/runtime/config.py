@@ -118,6 +118,12 @@ def nonfinite_from_env() -> str:
     return policy
 
 
+def _non_negative_seconds(seconds: float) -> float:
+    if not (isinstance(seconds, (int, float)) and seconds >= 0 and math.isfinite(seconds)):
+        raise UserError(f"agreement_seconds={seconds!r} must be a number of seconds, 0 or more")
+    return float(seconds)
+
+
 def check_hang_timeout(seconds: float | None) -> float | None:
     """``seconds`` if it is a hang timeout (0: off; None: the default), else ``UserError``."""
     if seconds is not None and not (seconds >= 0 and math.isfinite(seconds)):
@@ -217,6 +223,16 @@ class RuntimeConfig:
         check=check_hang_timeout,
     )
 
+    agreement_seconds: float = option(
+        0.5,
+        "several processes: seconds between two agreements of the step's checks (a NaN or "
+        "infinite loss, a stop signal) for batches of rt.setup_loader, which every process "
+        "has the same number of: acted on within about this long, and at each epoch's end, "
+        "and always before a checkpoint or the final weights are written; batches the loop "
+        "made itself, and --oom auto or --skip-nonfinite, agree at every step; 0: every step "
+        "(paratrain.runtime.agreement)",
+        check=_non_negative_seconds,
+    )
     collective_check: bool = option(
         True,
         "processes that disagree about the next collective (a half-ported script: rt.save "

@@ -54,7 +54,8 @@ class Look:
     ends_step: bool
     #: this process's non-finite flag, to agree on now (None: nothing to agree on)
     bad: torch.Tensor | None = None
-    #: the flag of the step's earlier micro-batches, kept for its last one
+    #: the step of this process's first non-finite loss since the last agreement (0: none;
+    #: float64, on the device), kept for the micro-batch that agrees
     keep: torch.Tensor | None = None
 
 
@@ -93,16 +94,17 @@ class NonFiniteCheck:
             and math.isfinite(loss.item())
         ):
             return Look(step, ends_step)  # one process, a finite loss: no tensor to make
-        bad = ~torch.isfinite(loss.detach())
-        if self._pending is not None:
-            bad = bad | self._pending
+        # the first non-finite loss's step, kept on the device (no sync): the agreement may
+        # come steps later (the quiet path's pace), and the message names this one
+        now = torch.where(~torch.isfinite(loss.detach().double()), float(step), 0.0)
+        first = now if self._pending is None else torch.where(self._pending > 0, self._pending, now)
         if self.policy == "error" and not ends_step:
-            return Look(step, ends_step, keep=bad)
+            return Look(step, ends_step, keep=first)
         if local_only:
-            if bool(bad):
-                raise NonFiniteLossError(_message(str(collective.rank), step, self.policy))
+            if bool(first > 0):
+                raise NonFiniteLossError(_message(str(collective.rank), int(first), self.policy))
             return Look(step, ends_step)
-        return Look(step, ends_step, bad=bad)
+        return Look(step, ends_step, bad=first > 0, keep=first)
 
     def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
         """After the processes agreed that ``bad`` (some process saw a non-finite loss):
@@ -111,19 +113,24 @@ class NonFiniteCheck:
         return self.judge(look, collective, bad)
 
     def sent(self, look: Look) -> None:
-        """``look`` went into the step's agreement (the next micro-batch starts afresh)."""
-        self._pending = look.keep
+        """``look`` went into the step's agreement (the next micro-batch starts afresh), or
+        is kept for the one that agrees."""
+        self._pending = look.keep if look.bad is None else None
 
     def judge(self, look: Look, collective: Collective, bad: bool) -> bool:
         """The policy's answer once the processes agreed that ``bad``: True when the
         micro-batch's gradients count; raises under the ``error`` policy."""
         if look.bad is None or not bad:
             return True
-        flags = collective.all_gather(look.bad.reshape(1).to(torch.uint8))
-        ranks = ", ".join(str(rank) for rank, flag in enumerate(flags) if bool(flag))
+        first = look.keep if look.keep is not None else look.bad.double() * look.step
+        steps = [int(part) for part in collective.all_gather(first.reshape(1))]
+        # the first: later ones on other ranks may only be its consequence (the gradients
+        # all-reduced between two agreements carried the NaN to every rank's weights)
+        step = min(at for at in steps if at > 0)
+        ranks = ", ".join(str(rank) for rank, at in enumerate(steps) if at == step)
         if self.policy == "error":
-            raise NonFiniteLossError(_message(ranks, look.step, self.policy))
-        collective.note(f"paratrain: note: {_message(ranks, look.step, self.policy)}")
+            raise NonFiniteLossError(_message(ranks, step, self.policy))
+        collective.note(f"paratrain: note: {_message(ranks, step, self.policy)}")
         return False
 
 

@@ -70,7 +70,7 @@ def assemble(config: RuntimeConfig) -> RuntimeParts:
         threads=threads,
         speed=Speed(config.speed, strategy),
         precision=Precision(config.precision, strategy.root_device),
-        state=StepState(config.accumulate),
+        state=StepState(config.accumulate, config.agreement_seconds),
         nonfinite=NonFiniteCheck(config.nonfinite),
         micro_batches=MicroBatches("off" if oom_refused else config.oom),
         oom_refused=oom_refused,

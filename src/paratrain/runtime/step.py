@@ -168,7 +168,8 @@ class TrainingStep:
         # the previous micro-batch's agreement, started a forward ago (a micro-batch inside
         # an accumulation group sends none: it is read here, not a group later)
         rt.state.agreement.settle(collective)
-        look = nonfinite.look(loss, collective, step, rt.state.ends_group, deferred=True)
+        agrees = rt.state.ends_group and self._due(step)
+        look = nonfinite.look(loss, collective, step, agrees, deferred=True)
         nonfinite.sent(look)
         rt.state.skipped = False
         if look.bad is not None:
@@ -178,6 +179,16 @@ class TrainingStep:
 
             rt.state.agreement.send(collective, step, f"at training step {step}", look.bad, judge)
         return True
+
+    def _due(self, step: int) -> bool:
+        """Whether the quiet path agrees at this optimizer step. Batches of
+        ``rt.setup_loader`` come in the same number on every process, so the processes
+        agree at the main process's pace (``agreement_seconds``) and at each epoch's end;
+        batches the loop made itself may run out on one process first, where the step's
+        agreement names it: every step."""
+        state = self.rt.state
+        batch = state.batch
+        return batch.source == 0 or batch.ends_epoch or state.agreement.due(step)
 
     def settle(self) -> None:
         """Read the step's agreements sent and not read yet (a non-finite loss raises

@@ -32,7 +32,7 @@ class StepState:
     """The optimizer-step count, the accumulation group, the micro-batch in hand and the
     step's agreement; advanced by the step pipeline only."""
 
-    def __init__(self, accumulate: int = 1) -> None:
+    def __init__(self, accumulate: int = 1, agreement_seconds: float = 0.0) -> None:
         #: micro-batches per optimizer step
         self.accumulate = accumulate
         #: optimizer steps begun before the current one (a resumed loop sets its count)
@@ -50,6 +50,7 @@ class StepState:
         self.batch: BatchInfo = PLAIN_BATCH
         #: the step's one small all-reduce (:mod:`paratrain.runtime.agreement`)
         self.agreement = StepAgreement()
+        self.agreement.seconds = agreement_seconds
         #: inside ``rt.join``: a rank that ran out of data takes no part in agreements
         self.local_only = False
         self._begun = False

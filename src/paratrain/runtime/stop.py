@@ -25,6 +25,7 @@ class StopOnSignal:
         self.rt = rt
         self._stop: preemption.Request | None = None
         self._seen = 0  # the agreements begun at the last call
+        self._seen_step = 0  # the optimizer steps taken at the last call
 
     def agree(self) -> bool:
         collective = self.rt.strategy.collective
@@ -32,13 +33,16 @@ class StopOnSignal:
             self._stop = preemption.agree(collective)
             return self._stop is not None
         preemption.watch()  # the first call installs the handlers
-        agreement = self.rt.state.agreement
-        if agreement.begun == self._seen:  # no step's agreement since the last call: its own
-            here = f"in rt.should_stop after {self.rt.state.step} training steps"
+        agreement, step = self.rt.state.agreement, self.rt.state.step
+        if agreement.begun == self._seen and step == self._seen_step:
+            # no training step since the last call (before the first, after an evaluation,
+            # a loop without rt.backward): an agreement of its own
+            here = f"in rt.should_stop after {step} training steps"
             agreement.exchange(collective, BEFORE_STOP, here)
-        # else a step's agreement carries the stop (paratrain.runtime.agreement); the newest
-        # is read at the next step, so that the host never waits for the device here
-        self._seen = agreement.begun
+        # else the steps' agreements carry the stop (paratrain.runtime.agreement), every step
+        # or at the main process's pace; the newest is read at the next step, so that the
+        # host never waits for the device here
+        self._seen, self._seen_step = agreement.begun, step
         self._stop = agreement.stop
         return self._stop is not None
 
