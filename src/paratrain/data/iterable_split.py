@@ -7,9 +7,15 @@ whole stream unless the data set splits itself; every process of a run would do 
 of ``R`` (the process's part of the data) keeps the items ``i`` with
 ``i % (W * R) == r * W + w``. Every worker reads the whole stream and keeps its share.
 
-A data set that already splits itself (``torch.utils.data.get_worker_info()``, its rank)
-cannot be told from one that does not, so the rule is stated, not guessed: one whose class
-(or instance) sets ``splits_itself = True`` is handed to the workers as it is.
+A data set that already splits itself is not split again (that would drop items silently):
+
+* one whose class (or instance) sets ``splits_itself = True`` splits across workers and
+  processes itself, and is handed to the workers as it is;
+* one that splits across workers itself, which ``torch.utils.data``'s documentation shows
+  (its ``__iter__`` calls ``get_worker_info()``), and those of libraries that do it for
+  their users (Hugging Face ``datasets``, ``webdataset``): on one process it is handed on as
+  it is; on several, how it splits across processes cannot be known, so it is refused in
+  one line until it says ``splits_itself = True``.
 
 With one worker and one process the order is the stream's. With several workers each
 batch holds one worker's items (torch's own way with iterable data sets): the samples of an
@@ -18,19 +24,38 @@ epoch do not depend on ``num_workers``, its batches do.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from paratrain.utils.errors import UserError
+
 #: the attribute by which a data set says that it splits its stream itself
 SPLITS_ITSELF = "splits_itself"
+
+
+#: libraries whose iterable data sets split their stream across DataLoader workers
+_WORKER_SPLITTING_LIBRARIES = frozenset({"datasets", "webdataset"})
 
 
 def splits_itself(dataset: Any) -> bool:
     """Whether ``dataset`` says it splits its stream across workers and processes itself."""
     return getattr(dataset, SPLITS_ITSELF, False) is True
+
+
+def splits_across_workers(dataset: Any) -> bool:
+    """Whether ``dataset`` splits its stream across DataLoader workers itself: its library
+    does, or its ``__iter__`` asks ``get_worker_info()`` (torch's documented way)."""
+    if type(dataset).__module__.split(".")[0] in _WORKER_SPLITTING_LIBRARIES:
+        return True
+    try:
+        source = inspect.getsource(type(dataset).__iter__)
+    except (OSError, TypeError):  # built in, or no source at hand
+        return False
+    return "get_worker_info" in source
 
 
 class SplitIterable(IterableDataset[Any]):
@@ -58,6 +83,14 @@ def split_iterable_loader(
     dataset = loader.dataset
     if splits_itself(dataset) or (parts == 1 and loader.num_workers == 0):
         return loader
+    if splits_across_workers(dataset):
+        if parts == 1:
+            return loader
+        raise UserError(
+            f"{type(dataset).__name__} splits its stream across DataLoader workers itself, "
+            f"and {parts} processes would each read all of it: split it across processes "
+            "too (by rank) and set `splits_itself = True` on it, or evaluate it on one process"
+        )
     assert isinstance(dataset, IterableDataset)
     return DataLoader(
         SplitIterable(dataset, part, parts),

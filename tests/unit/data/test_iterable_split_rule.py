@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from paratrain.data.iterable_split import SplitIterable, split_iterable_loader
 from paratrain.data.loaders import BatchInfo, DeviceLoader, batch_info, shard_loader
+from paratrain.utils.errors import UserError
 
 CPU = torch.device("cpu")
 
@@ -27,6 +29,29 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
 
 class _SplitsItself(_Stream):
     splits_itself = True
+
+
+class _ShardsByWorker(_Stream):
+    """torch's documented way: each worker yields its own share of the stream."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        return iter(torch.arange(self.n)[worker::workers].unbind())
+
+
+def test_a_data_set_that_shards_by_worker_is_not_split_again() -> None:
+    """Split again, each worker would keep a share of its share: items dropped silently."""
+    loader = DataLoader(_ShardsByWorker(10), batch_size=2, num_workers=2)
+    kept = split_iterable_loader(loader, 0, 1, pin_memory=False)
+    assert kept is loader
+    assert sorted(int(i) for batch in kept for i in batch) == list(range(10))
+
+
+def test_a_data_set_that_shards_by_worker_on_several_processes_is_refused() -> None:
+    loader = DataLoader(_ShardsByWorker(10), batch_size=2, num_workers=2)
+    with pytest.raises(UserError, match="splits its stream across DataLoader workers itself"):
+        split_iterable_loader(loader, 0, 2, pin_memory=False)
 
 
 def test_part_r_of_r_processes_keeps_every_rth_item() -> None:
