@@ -231,7 +231,9 @@ class RuntimeConfig:
         "and always before a checkpoint or the final weights are written; batches the loop "
         "made itself, and --oom auto or --skip-nonfinite, agree at every step; 0: every step "
         "(paratrain.runtime.agreement)",
+        flag="--agreement-seconds",
         check=_non_negative_seconds,
+        cli={"type": float, "metavar": "SECONDS"},
     )
     collective_check: bool = option(
         True,

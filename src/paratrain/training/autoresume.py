@@ -29,7 +29,7 @@ from typing import Any
 from paratrain.checkpoints.state import latest_checkpoint, read_state
 from paratrain.devices.precision import normalize_precision
 from paratrain.training import run_lock, rundir
-from paratrain.training.config import TrainConfig
+from paratrain.training.config import TrainConfig, runtime_option_names
 from paratrain.training.recipes import get_recipe
 from paratrain.training.resume import CHANGEABLE, resume_config
 from paratrain.utils import environment
@@ -47,11 +47,12 @@ def _note(message: str) -> None:
 def differences(saved: TrainConfig, wanted: TrainConfig) -> list[str]:
     """``--option value (the run: value)`` for each setting that shapes training and differs."""
     found = []
-    for field in dataclasses.fields(TrainConfig):
-        name = field.name
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "runtime_options"]
+    names += sorted(set(saved.runtime_options) | set(wanted.runtime_options))
+    for name in names:
         if name in _NOT_COMPARED:
             continue
-        old, new = getattr(saved, name), getattr(wanted, name)
+        old, new = saved.option(name), wanted.option(name)
         if name == "precision":
             old, new = normalize_precision(old), normalize_precision(new)
         if old != new:
@@ -81,8 +82,8 @@ def plan(cfg: TrainConfig, given: dict[str, Any]) -> TrainConfig | None:
             f"--out {directory} holds an unfinished run without a readable {rundir.CONFIG}; "
             "pass --fresh to start over (it is moved aside) or choose another --out"
         )
-    known = {field.name for field in dataclasses.fields(TrainConfig)}
-    saved = TrainConfig(**{k: v for k, v in payload.items() if k in known})
+    known = {field.name for field in dataclasses.fields(TrainConfig)} | set(runtime_option_names())
+    saved = TrainConfig.of(**{k: v for k, v in payload.items() if k in known})
     wanted = cfg.resolved(get_recipe)
     found = differences(saved, wanted)  # config.json holds the resolved configuration
     if found:

@@ -109,6 +109,36 @@ class TrainConfig:
     hang_timeout: float | None = None
     #: processes that disagree about the next collective are stopped (--no-collective-check)
     collective_check: bool = True
+    #: every other option of the runtime set for this run, by its ``Runtime(...)`` keyword:
+    #: a runtime option needs no field here (its declaration in paratrain.runtime.config is
+    #: its flag, its help and its check); config.json holds them flat, beside the fields
+    runtime_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **values: Any) -> TrainConfig:
+        """From flat settings (the command line's, config.json's): a field each where there
+        is one, every other runtime keyword in :attr:`runtime_options`; anything else is a
+        ``TypeError``, as an unknown keyword of the class would be."""
+        fields = {spec.name for spec in dataclasses.fields(cls)} - {"runtime_options"}
+        own = {name: value for name, value in values.items() if name in fields}
+        rest = {name: value for name, value in values.items() if name not in fields}
+        unknown = set(rest) - set(runtime_option_names())
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        options = {**values.get("runtime_options", {}), **rest}
+        return cls(**own, runtime_options=options)
+
+    def option(self, name: str) -> Any:
+        """A runtime option's value for this run: its field, what was set, or its default."""
+        if name in self.runtime_options:
+            return self.runtime_options[name]
+        if name in {spec.name for spec in dataclasses.fields(self)}:
+            return getattr(self, name)
+        return runtime_option_defaults()[name]
+
+    def replaced(self, **changes: Any) -> TrainConfig:
+        """``dataclasses.replace`` that also takes runtime keywords without a field."""
+        return TrainConfig.of(**{**self.to_dict(), **changes})
 
     def resolved(self, recipes: RecipeLookup) -> TrainConfig:
         """A copy with the recipe's defaults filled in, or ``UserError`` naming what is wrong.
@@ -173,10 +203,25 @@ class TrainConfig:
         given = {
             name: getattr(self, name) for name, _, _ in runtime_keywords() if hasattr(self, name)
         }
-        return RuntimeConfig.from_keywords(**given)
+        return RuntimeConfig.from_keywords(**given, **self.runtime_options)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat: the fields, and the runtime options without one beside them."""
+        values = dataclasses.asdict(self)
+        return {**values.pop("runtime_options"), **values}
+
+
+def runtime_option_names() -> list[str]:
+    """Every ``Runtime(...)`` keyword (its declarations: paratrain.runtime.config)."""
+    from paratrain.runtime.config import runtime_keywords
+
+    return [name for name, _, _ in runtime_keywords()]
+
+
+def runtime_option_defaults() -> dict[str, Any]:
+    from paratrain.runtime.config import runtime_keywords
+
+    return {name: default for name, default, _ in runtime_keywords()}
 
 
 def _positive(flag: str, value: int | None) -> None:

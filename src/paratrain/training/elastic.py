@@ -76,7 +76,7 @@ def worker_config() -> tuple[TrainConfig, str | None]:
     raw = env.get(CONFIG_VARIABLE)
     if not raw:
         raise UserError(f"{CONFIG_VARIABLE} is not set: start this through `paratrain train`")
-    cfg = TrainConfig(**json.loads(raw))
+    cfg = TrainConfig.of(**json.loads(raw))
     assert cfg.out is not None
     restart = env.attempt
     if restart == 0:

@@ -31,7 +31,7 @@ from paratrain.checkpoints.state.store import (
 from paratrain.devices.precision import normalize_precision
 from paratrain.strategies import FLAT_OWNERS
 from paratrain.training import rundir
-from paratrain.training.config import TrainConfig
+from paratrain.training.config import TrainConfig, runtime_option_names
 from paratrain.training.recipes import get_recipe
 from paratrain.utils.errors import UserError
 
@@ -130,9 +130,9 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
     if out is not None and Path(out).resolve() != run_dir.resolve():
         raise UserError(f"--resume continues the run in {run_dir}; drop --out {out}")
     differences = [
-        f"{_flag(name)} {_show(value)} (the run: {_show(getattr(saved, name))})"
+        f"{_flag(name)} {_show(value)} (the run: {_show(saved.option(name))})"
         for name, value in given.items()
-        if name not in CHANGEABLE and not _same(name, value, getattr(saved, name))
+        if name not in CHANGEABLE and not _same(name, value, saved.option(name))
     ]
     if differences:
         raise UserError(
@@ -149,9 +149,9 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
     if "strategy" in given:  # the options of the run's strategy do not apply to another
         defaults = TrainConfig()
         for name in FLAT_OWNERS:  # the flat keywords only some strategies read
-            changes.setdefault(name, given.get(name, getattr(defaults, name)))
-    cfg = dataclasses.replace(
-        saved, **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)
+            changes.setdefault(name, given.get(name, defaults.option(name)))
+    cfg = saved.replaced(
+        **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)
     ).resolved(get_recipe)
     cfg = _recorded_threads(cfg, saved, payload, "threads" in given)
     state = read_state(checkpoint)
@@ -192,7 +192,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
 
 
 def _saved_config(payload: dict[str, Any], run_dir: Path) -> TrainConfig:
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"runtime_options"}
     values = {k: v for k, v in payload["config"].items() if k in known}
     hints = typing.get_type_hints(TrainConfig)
     for name, value in values.items():
@@ -202,7 +202,9 @@ def _saved_config(payload: dict[str, Any], run_dir: Path) -> TrainConfig:
                 f"{_type_name(hints[name])}"
             )
     try:
-        return TrainConfig(**values)
+        options = set(runtime_option_names()) - known  # checked by their declarations
+        values.update({k: v for k, v in payload["config"].items() if k in options})
+        return TrainConfig.of(**values)
     except TypeError as exc:
         raise UserError(f"--resume: {run_dir / rundir.CONFIG} is damaged ({exc})") from None
 

@@ -12,6 +12,7 @@ import pickle
 import pytest
 
 import paratrain
+from paratrain.cli.commands.train import config_from_args
 from paratrain.cli.main import build_parser
 from paratrain.runtime.config import RuntimeConfig, command_line_options, runtime_keywords
 from paratrain.runtime.speed import SpeedOptions
@@ -115,12 +116,24 @@ def test_every_declared_flag_is_an_option_of_train_and_back() -> None:
             )
 
 
-def test_train_config_carries_every_runtime_option_train_has() -> None:
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    parser_dests = {action.dest for action in _train_parser()._actions}
-    for name, _, _ in runtime_keywords():
-        if name in parser_dests:
-            assert name in fields, f"TrainConfig has no field for the runtime option {name}"
+def test_every_runtime_option_of_train_reaches_the_runtime_through_train_config() -> None:
+    """A runtime option needs no field in TrainConfig: set on `paratrain train`'s command
+    line, it reaches the run's RuntimeConfig (and config.json, flat) all the same."""
+    parser = _train_parser()
+    args = parser.parse_args(["--agreement-seconds", "2.5"])
+    cfg = config_from_args(args)
+    assert "agreement_seconds" not in {f.name for f in dataclasses.fields(TrainConfig)}
+    assert cfg.runtime_options == {"agreement_seconds": 2.5}
+    assert cfg.runtime_config().agreement_seconds == 2.5
+    assert cfg.to_dict()["agreement_seconds"] == 2.5
+    assert TrainConfig.of(**cfg.to_dict()) == cfg  # config.json back, as --resume reads it
+    assert cfg.option("agreement_seconds") == 2.5
+    assert TrainConfig().option("agreement_seconds") == RuntimeConfig().agreement_seconds
+
+
+def test_unknown_settings_are_refused_as_unknown_keywords() -> None:
+    with pytest.raises(TypeError, match="unknown settings: not_an_option"):
+        TrainConfig.of(recipe="linear", not_an_option=1)
 
 
 def test_generated_flags_take_the_declared_help() -> None:

@@ -212,9 +212,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-#: TrainConfig fields set by the option of the same name
+#: TrainConfig fields set by the option of the same name, and the runtime's options whose
+#: flags are generated from their declarations (TrainConfig carries them without a field)
 _OPTION_FIELDS = tuple(
-    f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("progress", "resume_from")
+    f.name
+    for f in dataclasses.fields(TrainConfig)
+    if f.name not in ("progress", "resume_from", "runtime_options")
+) + tuple(
+    kwargs["dest"]
+    for _, kwargs in command_line_options()
+    if kwargs["dest"] not in {f.name for f in dataclasses.fields(TrainConfig)}
 )
 
 
@@ -230,7 +237,7 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**given_options(args))
+    return TrainConfig.of(**given_options(args))
 
 
 def train_in_process(rt: Runtime, cfg: TrainConfig, directory: str | None) -> Summary:

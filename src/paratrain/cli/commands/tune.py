@@ -117,7 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         given["mlflow"] = tracking_uri(given["mlflow"])
     if given.get("tensorboard"):
         require_tensorboard()
-    base = TrainConfig(**given)
+    base = TrainConfig.of(**given)
     resources = Resources.for_config(base, args.cpus_per_trial, args.gpus_per_trial)
     settings = TuneSettings(
         base=base,

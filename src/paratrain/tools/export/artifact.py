@@ -20,7 +20,7 @@ from torch import nn
 
 from paratrain.checkpoints.files.readers import pickled_globals
 from paratrain.tools.export.torchao_api import import_torchao
-from paratrain.training.config import TrainConfig
+from paratrain.training.config import TrainConfig, runtime_option_names
 from paratrain.training.recipes import get_recipe
 from paratrain.utils.atomic import atomic_write
 from paratrain.utils.errors import UserError
@@ -31,8 +31,8 @@ FORMAT_VERSION = 1
 
 def settings_from(config: dict[str, Any]) -> TrainConfig:
     """The run's TrainConfig from ``config.json``'s ``config`` (unknown keys ignored)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in config.items() if k in known})
+    known = {f.name for f in dataclasses.fields(TrainConfig)} | set(runtime_option_names())
+    return TrainConfig.of(**{k: v for k, v in config.items() if k in known})
 
 
 def save_quantized(

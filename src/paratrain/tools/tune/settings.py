@@ -94,7 +94,7 @@ class TuneSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TuneSettings:
         values = dict(data)
-        values["base"] = TrainConfig(**values["base"])
+        values["base"] = TrainConfig.of(**values["base"])
         values["resources"] = Resources(**values["resources"])
         return cls(**values)
 
