@@ -21,7 +21,8 @@ against plain DistributedDataParallel, and counts the small all-reduces of each 
 profiler): run it with ``PYTHONPATH`` pointing at two versions of paratrain to compare them.
 ``--ddp-step --oom off`` times a loop of one's own instead (``model(x)``, ``rt.backward``,
 ``optimizer.step()``, ``rt.should_stop()`` with the runtime's defaults: the step's checks read
-one step late); ``--width 512`` is the 512-wide MLP.
+one step late); ``--width 512`` is the 512-wide MLP; ``--agreement-seconds 0.5`` paces the
+step's checks (:mod:`paratrain.runtime.agreement`).
 """
 
 from __future__ import annotations
@@ -255,14 +256,17 @@ def _step_rounds(
 def ddp_step(args: argparse.Namespace) -> None:
     import paratrain
 
-    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", oom=args.oom)
+    rt = paratrain.Runtime(
+        strategy="ddp", devices="cpu,cpu", oom=args.oom, agreement_seconds=args.agreement_seconds
+    )
     found = rt.launch(_step_rounds, args.batch, args.steps, args.rounds, args.warmup, args.width)
     assert found is not None
     times, small = found["times"], found["small"]
     print(
         f"# {cpu_name()}, ddp on cpu,cpu (gloo), torch {torch.__version__}, paratrain "
         f"{paratrain.__version__} from {Path(paratrain.__file__).parent}, batch {args.batch}, "
-        f"width {args.width}, --oom {args.oom}, {args.steps} steps x {args.rounds} rounds"
+        f"width {args.width}, --oom {args.oom}, agreement_seconds {args.agreement_seconds}, "
+        f"{args.steps} steps x {args.rounds} rounds"
     )
     base = statistics.median(times["plain DDP"])
     for name, samples in times.items():
@@ -293,6 +297,13 @@ def main() -> None:
         help="--ddp-step: auto times paratrain train's step, off a loop of one's own",
     )
     parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
+    parser.add_argument(
+        "--agreement-seconds",
+        type=float,
+        default=0.0,
+        help="--ddp-step: the runtime's agreement_seconds (0: the step's checks agree every "
+        "step; 0.5: at the main process's pace on rt.setup_loader's batches)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.collective_check:

@@ -255,11 +255,34 @@ def _paced_run(rt: paratrain.Runtime) -> dict[str, Any]:
         epoch()
     result: dict[str, Any] = {"collectives": Counter(_collectives(prof))}
     try:
-        epoch(nan_at=5)
-        rt.settle()
+        epoch(nan_at=5)  # the epoch's end reads its checks: the loop raises there
     except NonFiniteLossError as exc:
         result["error"] = str(exc)
     return result
+
+
+def _paced_flush_run(rt: paratrain.Runtime) -> str:
+    """A NaN at the fourth step, the loop left at the ninth: rt.settle (as rt.save does)
+    agrees on the steps since the last agreement before anything is written."""
+    model = _model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(16 * PER_EPOCH, 6, generator=generator),
+        torch.randn(16 * PER_EPOCH, 1, generator=generator),
+    )
+    for index, (x, y) in enumerate(rt.setup_loader(DataLoader(data, batch_size=16))):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        rt.backward(loss * float("nan") if index == 3 and rt.rank == 1 else loss)
+        optimizer.step()
+        if index == 8:
+            break
+    try:
+        rt.settle()
+    except NonFiniteLossError as exc:
+        return str(exc)
+    return "no error"
 
 
 @pytest.mark.parametrize("seconds", [1000.0, 0.0])
@@ -274,3 +297,6 @@ def test_loader_batches_agree_at_the_main_process_pace(seconds: float) -> None:
     agreements = result["collectives"][("gloo:all_reduce", AGREEMENT)]
     assert agreements == (1 if seconds else PER_EPOCH), result["collectives"]
     assert "NaN or infinite on rank 1 at step " + str(2 * PER_EPOCH + 6) in result["error"]
+    if seconds:
+        flushed = rt.launch(_paced_flush_run)
+        assert flushed is not None and "NaN or infinite on rank 1 at step 4;" in flushed, flushed

@@ -98,13 +98,26 @@ def at_step(rank: int, step: int, loss: Any) -> Any:
             time.sleep(3600)
         elif kind in _SIGNALS:
             planned.remove(fault)  # once: each micro-batch of a step comes here
-            target = os.getppid() if kind.startswith("launcher-") else os.getpid()
+            target = _launcher() if kind.startswith("launcher-") else os.getpid()
             os.kill(target, getattr(signal, kind.removeprefix("launcher-").upper()))
             if target != os.getpid():
                 _await_forwarded()
         else:
             loss = loss * float("nan")
     return loss
+
+
+def _launcher() -> int:
+    """The process that started this rank: its parent, or, for a rank forked from
+    multiprocessing's fork server (rt.launch on Linux), the server's parent."""
+    parent = os.getppid()
+    try:
+        command = Path(f"/proc/{parent}/cmdline").read_bytes()
+        if b"multiprocessing.forkserver" not in command:
+            return parent
+        return int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return parent
 
 
 def _await_forwarded() -> None:

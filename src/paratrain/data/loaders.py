@@ -72,6 +72,8 @@ class BatchSink(Protocol):
 
     def restarted(self, source: int) -> None: ...
 
+    def epoch_done(self) -> None: ...
+
 
 def tag_batch(batch: Any, info: BatchInfo) -> Any:
     """Give every tensor of ``batch`` (nested in tuples, lists and dicts) ``info``."""
@@ -306,6 +308,7 @@ class DeviceLoader:
             sink.handed_out(info)
             beat()
             yield tag_batch(move_to_device(batch, self.device), info)
+        sink.epoch_done()  # every process ends its epoch at the same batch
 
     def _batches(self) -> Iterator[Any]:
         """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the

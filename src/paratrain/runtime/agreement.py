@@ -233,6 +233,13 @@ class StepAgreement:
         self.next_at = 0
         #: the main process: when and at which step it sent the last one
         self._paced_from: tuple[float, int] | None = None
+        #: the last optimizer step an agreement was begun at (paced: steps after it wait)
+        self.agreed_through = 0
+
+    def behind(self, step: int) -> bool:
+        """Whether optimizer steps up to ``step`` were taken since the last agreement (the
+        quiet path's pace): their checks are still on each process's device."""
+        return self.seconds > 0 and step > self.agreed_through
 
     def due(self, step: int) -> bool:
         """Whether the quiet path's agreement is due at optimizer step ``step``: every step,
@@ -269,6 +276,7 @@ class StepAgreement:
         gets the verdict when :meth:`settle` reads it."""
         self.settle(collective)  # the previous step's, whose all-reduce ended long ago
         self.begun += 1
+        self.agreed_through = max(self.agreed_through, step)
         if collective.world_size == 1:
             message = Reduction(bad.reshape(1).to(torch.float64))
         else:
@@ -307,6 +315,7 @@ class StepAgreement:
         one is not passed)."""
         self.settle(collective)
         self.begun += 1
+        self.agreed_through = max(self.agreed_through, step)
         if collective.world_size == 1:
             found = -math.inf if value is None else value.item()
             return Verdict(

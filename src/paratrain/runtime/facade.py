@@ -77,7 +77,7 @@ class Runtime:
         activation_checkpointing: bool = False,
         nonfinite: str | None = None,
         hang_timeout: float | None = None,
-        agreement_seconds: float = 0.5,
+        agreement_seconds: float = 0.0,
         collective_check: bool = True,
     ) -> None:
         # the keywords, each declared once in RuntimeConfig (the docstring, set below this

@@ -31,6 +31,7 @@ class MethodGroups:
         notes = EvaluationNotes(rt.strategy.collective, rt.strategy.data_shards)
         collectives = RuntimeCollectives(rt, notes)
         step = TrainingStep(rt)
+        rt.state.on_epoch_done = step.settle
         return cls(
             setup=RuntimeSetup(rt, collectives.agree_seed, notes.loop_started, notes.tell, step),
             step=step,

@@ -106,6 +106,14 @@ class NonFiniteCheck:
             return Look(step, ends_step)
         return Look(step, ends_step, bad=first > 0, keep=first)
 
+    def pending(self, step: int, device: torch.device) -> Look:
+        """What this process kept since the last agreement (its first non-finite loss's
+        step, or none), as the look of an agreement made now."""
+        first = self._pending
+        if first is None:
+            first = torch.zeros((), dtype=torch.float64, device=device)
+        return Look(step, True, bad=first > 0, keep=first)
+
     def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
         """After the processes agreed that ``bad`` (some process saw a non-finite loss):
         whether the backward runs; raises under the ``error`` policy."""

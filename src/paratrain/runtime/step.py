@@ -188,12 +188,24 @@ class TrainingStep:
         agreement names it: every step."""
         state = self.rt.state
         batch = state.batch
+        if self.rt.strategy.collective.world_size == 1:
+            return True  # nothing to wait for: one process agrees with itself
         return batch.source == 0 or batch.ends_epoch or state.agreement.due(step)
 
     def settle(self) -> None:
         """Read the step's agreements sent and not read yet (a non-finite loss raises
-        here): before a checkpoint, the final weights, or a collective."""
-        self.rt.state.agreement.settle(self.rt.strategy.collective)
+        here): before a checkpoint, the final weights, or a collective; at the pace of
+        ``agreement_seconds``, the steps since the last agreement agree now (every process
+        comes here at the same step)."""
+        rt = self.rt
+        state, collective = rt.state, rt.strategy.collective
+        state.agreement.settle(collective)
+        if rt.nonfinite.policy == "off" or not state.agreement.behind(state.step):
+            return
+        look = rt.nonfinite.pending(state.step, rt.strategy.root_device)
+        here = f"checking the steps up to {state.step}"
+        verdict = state.agreement.exchange(collective, state.step, here, bad=look.bad)
+        rt.nonfinite.settle(look, collective, verdict.bad)
 
     def _look(self, loss: torch.Tensor, step: int, ends_step: bool | None = None) -> Look:
         rt = self.rt

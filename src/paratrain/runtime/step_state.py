@@ -17,6 +17,7 @@ loop made itself, e.g. ``x.float()``) takes the oldest batch handed out and not 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -55,11 +56,19 @@ class StepState:
         self.local_only = False
         self._begun = False
         self._handed: deque[BatchInfo] = deque(maxlen=_REMEMBERED)
+        #: what settles the step's agreements (the step pipeline's settle), for epoch_done
+        self.on_epoch_done: Callable[[], None] | None = None
         self._admitted = False  # some micro-batch of the group so far had its backward
 
     # -- what loaders tell (paratrain.data.loaders.BatchSink) ---------------------------------
     def handed_out(self, info: BatchInfo) -> None:
         self._handed.append(info)
+
+    def epoch_done(self) -> None:
+        """A loader's epoch ended: at the pace of ``agreement_seconds``, its last steps'
+        checks are read now (a NaN raises at the end of the loop, not never)."""
+        if self.agreement.seconds > 0 and self.on_epoch_done is not None:
+            self.on_epoch_done()
 
     def restarted(self, source: int) -> None:
         """A loader starts an epoch: what it handed out before and nobody used is gone."""

@@ -49,6 +49,9 @@ class _Sink:
     def handed_out(self, info: BatchInfo) -> None:
         self.handed.append(info)
 
+    def epoch_done(self) -> None:
+        pass
+
     def restarted(self, source: int) -> None:
         self.restarts += 1
 

@@ -85,6 +85,9 @@ class _Sink:
     def handed_out(self, info: BatchInfo) -> None:
         pass
 
+    def epoch_done(self) -> None:
+        pass
+
     def restarted(self, source: int) -> None:
         pass
 
