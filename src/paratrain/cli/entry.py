@@ -13,6 +13,8 @@ code 2, any other paratrain error with 1.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
@@ -92,5 +94,18 @@ def main(argv: Sequence[str]) -> int:
     return 2
 
 
+def leave(code: int) -> None:
+    """Exit with ``code``. A process that failed leaves at once, its streams flushed: the
+    interpreter's own exit would run the C++ destructors of a process group whose peers
+    are gone, and gloo's threads then end the process with "terminate called without an
+    active exception" and SIGABRT, after the one line that said why."""
+    if code == 0:
+        sys.exit(0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -249,15 +249,17 @@ def _worker(
         return
     except (UserError, LaunchError) as exc:
         # Bad input found late is still bad input: the parent re-raises it as such; a
-        # LaunchError is said in one line (a non-finite loss, ranks out of step).
-        sys.exit(report_failure(exc))
+        # LaunchError is said in one line (a non-finite loss, ranks out of step). Left at
+        # once: the interpreter's exit would tear down a process group whose peers are
+        # gone, and gloo's threads abort the process (SIGABRT) after the line was said.
+        _leave(report_failure(exc))
     except OSError as exc:
         if exc.errno not in FULL:
             report_failure(exc)
             raise
         # A full disk (metrics, weights): one line, like bad input.
         text = exc.strerror if "no space" in str(exc.strerror) else f"no space left: {exc}"
-        sys.exit(report_failure(UserError(str(text))))
+        _leave(report_failure(UserError(str(text))))
     except Exception as exc:
         # No teardown: exiting closes this process's connections, so the others'
         # collectives fail now instead of at a timeout.
@@ -267,6 +269,13 @@ def _worker(
     if rank == 0:
         with open(Path(handed[0].variables[REPORT_DIR_VARIABLE]) / _RESULT, "wb") as handle:
             pickle.dump(result, handle)
+
+
+def _leave(code: int | None) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1 if code is None else code)
 
 
 def _send(processes: Sequence[Any], signum: int) -> None:
