@@ -19,6 +19,7 @@ import runpy
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from paratrain.cli.commands.train import train_in_process
 from paratrain.distributed.once import tell_once
@@ -56,7 +57,7 @@ def guarded(main: Callable[[], object]) -> int:
             return int(exc.code or 1)
         return 0
     except (UserError, LaunchError) as exc:
-        return report(exc)
+        leave_now(report(exc))
     except KeyboardInterrupt:
         if not reporting():
             raise
@@ -94,13 +95,12 @@ def main(argv: Sequence[str]) -> int:
     return 2
 
 
-def leave(code: int) -> None:
-    """Exit with ``code``. A process that failed leaves at once, its streams flushed: the
-    interpreter's own exit would run the C++ destructors of a process group whose peers
-    are gone, and gloo's threads then end the process with "terminate called without an
-    active exception" and SIGABRT, after the one line that said why."""
-    if code == 0:
-        sys.exit(0)
+def leave_now(code: int) -> NoReturn:
+    """Exit with ``code`` at once, streams flushed, after a one-line error every process
+    says alike: the interpreter's own exit would run the C++ destructors of a process group
+    whose peers are gone, and gloo's threads then end the process with "terminate called
+    without an active exception" and SIGABRT, after the line that said why. (A crash keeps
+    the interpreter's exit: its order of exits names the failed rank.)"""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -108,4 +108,4 @@ def leave(code: int) -> None:
 
 
 if __name__ == "__main__":
-    leave(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
