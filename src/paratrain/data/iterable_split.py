@@ -96,13 +96,20 @@ def split_iterable_loader(
         SplitIterable(dataset, part, parts),
         batch_size=loader.batch_size,
         drop_last=loader.drop_last,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=pin_memory or loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers,
+        **worker_settings(loader, pin_memory),
     )
+
+
+def worker_settings(loader: DataLoader[Any], pin_memory: bool) -> dict[str, Any]:
+    """What a rebuilt loader keeps of ``loader``: its workers, collation and memory."""
+    return {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": pin_memory or loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "persistent_workers": loader.persistent_workers,
+    }

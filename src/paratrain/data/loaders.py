@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from paratrain.data.iterable_split import split_iterable_loader
+from paratrain.data.iterable_split import split_iterable_loader, worker_settings
 from paratrain.data.placement import move_to_device
 from paratrain.launching.heartbeat import beat
 from paratrain.utils.errors import UserError
@@ -403,14 +403,7 @@ def shard_loader(
     rebuilt = DataLoader(
         loader.dataset,
         batch_sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=pin_memory or loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
         generator=generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers,
+        **worker_settings(loader, pin_memory),
     )
     return rebuilt, sampler
