@@ -21,8 +21,9 @@ against plain DistributedDataParallel, and counts the small all-reduces of each 
 profiler): run it with ``PYTHONPATH`` pointing at two versions of paratrain to compare them.
 ``--ddp-step --oom off`` times a loop of one's own instead (``model(x)``, ``rt.backward``,
 ``optimizer.step()``, ``rt.should_stop()`` with the runtime's defaults: the step's checks read
-one step late); ``--width 512`` is the 512-wide MLP; ``--agreement-seconds 0.5`` paces the
-step's checks (:mod:`paratrain.runtime.agreement`).
+one step late, at the default pace of about a second); ``--width 512`` is the 512-wide MLP;
+``--agreement-seconds 0`` agrees on the step's checks at every step
+(:mod:`paratrain.runtime.agreement`).
 """
 
 from __future__ import annotations
@@ -300,9 +301,9 @@ def main() -> None:
     parser.add_argument(
         "--agreement-seconds",
         type=float,
-        default=0.0,
-        help="--ddp-step: the runtime's agreement_seconds (0: the step's checks agree every "
-        "step; 0.5: at the main process's pace on rt.setup_loader's batches)",
+        default=1.0,
+        help="--ddp-step: the runtime's agreement_seconds (default 1: at the main process's "
+        "pace on rt.setup_loader's batches; 0: the step's checks agree every step)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -181,8 +181,10 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(tmp_path: Path) -> None:
     message = "paratrain: error: the loss is NaN or infinite on rank 1 at step 7; every rank"
     assert result.stderr.count(message) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    # the step's check is read one step late: every rank stops in step 8, naming step 7
-    assert {rank: step for rank, (_, step) in ranks_reached(tmp_path).items()} == {0: 8, 1: 8}
+    # the ranks agree on the steps' checks about once a second (--agreement-seconds) and at
+    # the epoch's end at the latest: every rank stops at the same step, naming step 7
+    reached = {rank: step for rank, (_, step) in ranks_reached(tmp_path).items()}
+    assert reached[0] == reached[1] and 7 < reached[0] <= 20, reached
 
 
 @pytest.mark.timeout(240)

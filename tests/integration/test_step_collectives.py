@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.cli import subprocess_env
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,7 +33,7 @@ from paratrain.runtime.agreement import SLOTS, StepAgreement
 from paratrain.training.config import TrainConfig
 from paratrain.training.loop import train
 from paratrain.training.recipes import get_recipe
-from paratrain.utils.errors import NonFiniteLossError
+from paratrain.utils.errors import LaunchError, NonFiniteLossError
 
 pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
@@ -261,9 +264,10 @@ def _paced_run(rt: paratrain.Runtime) -> dict[str, Any]:
     return result
 
 
-def _paced_flush_run(rt: paratrain.Runtime) -> str:
+def _paced_loop_left_early(rt: paratrain.Runtime, settle: bool = True) -> str:
     """A NaN at the fourth step, the loop left at the ninth: rt.settle (as rt.save does)
-    agrees on the steps since the last agreement before anything is written."""
+    agrees on the steps since the last agreement before anything is written; without it,
+    the end of the launched function does."""
     model = _model()
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     generator = torch.Generator().manual_seed(0)
@@ -278,6 +282,8 @@ def _paced_flush_run(rt: paratrain.Runtime) -> str:
         optimizer.step()
         if index == 8:
             break
+    if not settle:
+        return "no error"
     try:
         rt.settle()
     except NonFiniteLossError as exc:
@@ -298,5 +304,53 @@ def test_loader_batches_agree_at_the_main_process_pace(seconds: float) -> None:
     assert agreements == (1 if seconds else PER_EPOCH), result["collectives"]
     assert "NaN or infinite on rank 1 at step " + str(2 * PER_EPOCH + 6) in result["error"]
     if seconds:
-        flushed = rt.launch(_paced_flush_run)
+        flushed = rt.launch(_paced_loop_left_early)
         assert flushed is not None and "NaN or infinite on rank 1 at step 4;" in flushed, flushed
+        with pytest.raises(LaunchError, match="NaN or infinite on rank 1 at step 4;"):
+            rt.launch(_paced_loop_left_early, False)
+
+
+_LEFT_EARLY_SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import paratrain
+
+rt = paratrain.Runtime(strategy="ddp", seed=0, agreement_seconds=1000)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+data = TensorDataset(torch.randn(16 * 24, 6), torch.randn(16 * 24, 1))
+for index, (x, y) in enumerate(rt.setup_loader(DataLoader(data, batch_size=16))):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    rt.backward(loss * float("nan") if index == 3 and rt.rank == 1 else loss)
+    optimizer.step()
+    if index == 8:
+        break
+print("the loop ended", flush=True)
+"""
+
+
+def test_a_script_that_ends_without_settle_still_has_its_last_checks_read(tmp_path: Path) -> None:
+    """Plain torchrun, two processes on the CPU (gloo): a script whose loop leaves an epoch
+    early and ends without rt.settle or rt.save, at a pace far away, still has its last
+    steps' checks read when it ends: exit 1, one line naming the rank and step of the NaN,
+    no traceback from the processes (torchrun's agent prints its own on any failure)."""
+    script = tmp_path / "left_early.py"
+    script.write_text(_LEFT_EARLY_SCRIPT)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [sys.executable, *torchrun, str(script)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert done.stdout.count("the loop ended") == 2, done.stdout + done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("paratrain: error:")]
+    assert len(said) == 1 and "NaN or infinite on rank 1 at step 4;" in said[0], done.stderr
+    assert "NonFiniteLossError" not in done.stderr and "atexit" not in done.stderr, done.stderr

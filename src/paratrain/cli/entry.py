@@ -13,34 +13,26 @@ code 2, any other paratrain error with 1.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from paratrain.cli.commands.train import train_in_process
-from paratrain.distributed.once import tell_once
 from paratrain.launching import heartbeat
-from paratrain.launching.launcher import report_failure, report_started, report_stop, reporting
+from paratrain.launching.launcher import (
+    leave_now,
+    report_failure,
+    report_started,
+    report_stop,
+    reporting,
+    say_one_line,
+)
 from paratrain.launching.parent_death import die_with_parent
 from paratrain.launching.preemption import Stopped
 from paratrain.runtime.facade import Runtime
 from paratrain.training.elastic import worker_config
 from paratrain.utils.errors import LaunchError, UserError
-from paratrain.utils.reports import exit_code, kind_of
-
-
-def report(exc: UserError | LaunchError) -> int:
-    """Hand a one-line error to the launcher (or print it once); the exit code."""
-    code = report_failure(exc)
-    if code is not None:
-        return code
-    if tell_once("error"):
-        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
-    return exit_code(kind_of(exc))
 
 
 def guarded(main: Callable[[], object]) -> int:
@@ -57,7 +49,7 @@ def guarded(main: Callable[[], object]) -> int:
             return int(exc.code or 1)
         return 0
     except (UserError, LaunchError) as exc:
-        leave_now(report(exc))
+        leave_now(say_one_line(exc))
     except KeyboardInterrupt:
         if not reporting():
             raise
@@ -93,18 +85,6 @@ def main(argv: Sequence[str]) -> int:
         return guarded(train_worker)
     print(f"paratrain.cli.entry: unknown command {' '.join(argv[:1])}", file=sys.stderr)
     return 2
-
-
-def leave_now(code: int) -> NoReturn:
-    """Exit with ``code`` at once, streams flushed, after a one-line error every process
-    says alike: the interpreter's own exit would run the C++ destructors of a process group
-    whose peers are gone, and gloo's threads then end the process with "terminate called
-    without an active exception" and SIGABRT, after the line that said why. (A crash keeps
-    the interpreter's exit: its order of exits names the failed rank.)"""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import contextlib
 import os
 import pickle
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -36,7 +35,13 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from paratrain.launching import heartbeat, preemption
-from paratrain.launching.launcher import Launcher, report_failure, report_stop, stopped_early
+from paratrain.launching.launcher import (
+    Launcher,
+    leave_now,
+    report_failure,
+    report_stop,
+    stopped_early,
+)
 from paratrain.launching.parent_death import die_with_parent, process_exists
 from paratrain.launching.rank_start import Inheritance, start_method
 from paratrain.launching.watchdog import POLL_SECONDS
@@ -243,6 +248,7 @@ def _worker(
     try:
         runtime = rebuild()
         result = fn(runtime, *args)
+        runtime.teardown()  # reads the last steps' checks first: a NaN is said here
     except preemption.Stopped as exc:  # a checkpoint was saved: the launcher exits with it
         report_stop(exc)
         runtime.teardown()
@@ -252,30 +258,22 @@ def _worker(
         # LaunchError is said in one line (a non-finite loss, ranks out of step). Left at
         # once: the interpreter's exit would tear down a process group whose peers are
         # gone, and gloo's threads abort the process (SIGABRT) after the line was said.
-        _leave(report_failure(exc))
+        leave_now(report_failure(exc))
     except OSError as exc:
         if exc.errno not in FULL:
             report_failure(exc)
             raise
         # A full disk (metrics, weights): one line, like bad input.
         text = exc.strerror if "no space" in str(exc.strerror) else f"no space left: {exc}"
-        _leave(report_failure(UserError(str(text))))
+        leave_now(report_failure(UserError(str(text))))
     except Exception as exc:
         # No teardown: exiting closes this process's connections, so the others'
         # collectives fail now instead of at a timeout.
         report_failure(exc)
         raise
-    runtime.teardown()
     if rank == 0:
         with open(Path(handed[0].variables[REPORT_DIR_VARIABLE]) / _RESULT, "wb") as handle:
             pickle.dump(result, handle)
-
-
-def _leave(code: int | None) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(1 if code is None else code)
 
 
 def _send(processes: Sequence[Any], signum: int) -> None:

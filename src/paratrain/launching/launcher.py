@@ -11,6 +11,7 @@ started it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -18,10 +19,11 @@ import tempfile
 import time
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from paratrain.distributed.once import tell_once
 from paratrain.launching.preemption import Request, Stopped, stop_message
 from paratrain.launching.watchdog import Watchdog, hang_timeout
 from paratrain.utils import environment
@@ -30,6 +32,7 @@ from paratrain.utils.environment import (
     PARENT_VARIABLE,
     REPORT_DIR_VARIABLE,
 )
+from paratrain.utils.errors import LaunchError, UserError
 from paratrain.utils.reports import ReportFolder, exit_code, kind_of
 
 
@@ -130,3 +133,42 @@ def report_stop(stop: Stopped) -> bool:
         request = {"signum": stop.request.signum, "at": stop.request.at, "message": stop.message}
         ReportFolder(env.report_dir).stopped(env.attempt, request)
     return True
+
+
+def say_one_line(exc: UserError | LaunchError) -> int:
+    """Hand a one-line error to the launcher (or, under plain torchrun, print it once: the
+    first process to get there says it); the exit code."""
+    code = report_failure(exc)
+    if code is not None:
+        return code
+    if tell_once("error"):
+        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
+    return exit_code(kind_of(exc))
+
+
+def leave_now(code: int | None) -> NoReturn:
+    """Exit with ``code`` (None: 1) at once, streams flushed, after a one-line error every
+    process says alike: the interpreter's own exit would run the C++ destructors of a
+    process group whose peers are gone, and gloo's threads then end the process with
+    "terminate called without an active exception" and SIGABRT, after the line that said
+    why. (A crash keeps the interpreter's exit: its order of exits names the failed rank.)"""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1 if code is None else code)
+
+
+def at_healthy_exit(check: Callable[[], None]) -> None:
+    """Run ``check`` when the interpreter exits after the program ended well (no uncaught
+    exception), before the process group is left (exit handlers run newest first); a
+    one-line error it raises is said and the process exits with its code."""
+
+    def run() -> None:
+        if getattr(sys, "last_value", None) is not None:
+            return
+        try:
+            check()
+        except (UserError, LaunchError) as exc:
+            leave_now(say_one_line(exc))
+
+    atexit.register(run)

@@ -35,8 +35,9 @@ step of its first non-finite loss on its device meanwhile. On a CPU machine a sm
 all-reduce costs about a millisecond, a fifth of a small model's step. A non-finite loss
 therefore stops every process by the next agreement (its message names the step of the
 first one), and a signal is acted on one step after the agreement that carried it;
-``rt.save``, ``rt.save_weights``, ``rt.settle`` and the runtime's collectives read every
-agreement first, so nothing is written from a step with a non-finite loss. Only a
+``rt.save``, ``rt.save_weights``, ``rt.settle``, the runtime's collectives and the
+program's end read every agreement first, so nothing is written from a step with a
+non-finite loss. Only a
 ``should_stop()`` with no training step since the previous one (before the first step,
 after an evaluation, a loop without ``rt.backward``) runs one of its own.
 Who saw which non-finite loss or ran out of memory is asked only when one did (a second

@@ -224,13 +224,13 @@ class RuntimeConfig:
     )
 
     agreement_seconds: float = option(
-        0.0,
+        1.0,
         "several processes: seconds between two agreements of the step's checks (a NaN or "
         "infinite loss, a stop signal) on batches of rt.setup_loader, which every process "
-        "has the same number of; 0 (the default): every step. Paced, a check is acted on "
-        "within about this long, at each epoch's end, and before rt.save, rt.save_weights "
-        "and rt.settle; batches the loop made itself, --oom auto "
-        "and --skip-nonfinite agree at every step (paratrain.runtime.agreement)",
+        "has the same number of; 0: every step. A check is acted on within about this long, "
+        "at each epoch's end, before rt.save, rt.save_weights and rt.settle, and when the "
+        "program ends; batches the loop made itself, --oom auto and --skip-nonfinite agree "
+        "at every step (paratrain.runtime.agreement)",
         flag="--agreement-seconds",
         check=_non_negative_seconds,
         cli={"type": float, "metavar": "SECONDS"},

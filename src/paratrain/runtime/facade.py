@@ -29,6 +29,7 @@ from paratrain.devices.precision import Precision
 from paratrain.distributed.collective import ReduceOp
 from paratrain.launching import heartbeat
 from paratrain.launching.launch import launch
+from paratrain.launching.launcher import at_healthy_exit
 from paratrain.launching.threads import ThreadChoice
 from paratrain.runtime.config import (
     DEVICES_VARIABLE,
@@ -77,7 +78,7 @@ class Runtime:
         activation_checkpointing: bool = False,
         nonfinite: str | None = None,
         hang_timeout: float | None = None,
-        agreement_seconds: float = 0.0,
+        agreement_seconds: float = 1.0,
         collective_check: bool = True,
     ) -> None:
         # the keywords, each declared once in RuntimeConfig (the docstring, set below this
@@ -90,6 +91,7 @@ class Runtime:
             make_deterministic()
         self._parts = assemble(config)
         self._connected = False
+        self._checked_at_exit = False
         self._groups = MethodGroups.of(self._parts)  # what this facade delegates to
         if config.seed is not None:  # last: nothing above draws random numbers
             seed_everything(config.seed)
@@ -197,6 +199,15 @@ class Runtime:
         if not self._connected:
             self.strategy.setup_process()
             self._connected = True
+            if self.strategy.collective.world_size > 1 and not self._checked_at_exit:
+                at_healthy_exit(self._check_at_exit)
+                self._checked_at_exit = True
+
+    def _check_at_exit(self) -> None:
+        """A script that ends without rt.settle still has its last steps' checks read
+        (at the pace of ``agreement_seconds`` they may be behind): a NaN is said, exit 1."""
+        if self._connected and torch.distributed.is_initialized():
+            self._groups.step.settle()
 
     # -- processes ---------------------------------------------------------------------------
     def launch(self, fn: Callable[..., T], *args: Any) -> T | None:
@@ -398,6 +409,10 @@ class Runtime:
             print(*args, **kwargs)
 
     def teardown(self) -> None:
+        """Leave the process group, every process together, after reading the last steps'
+        checks (a non-finite loss raises here)."""
+        if self._connected:
+            self._groups.step.settle()
         self.strategy.teardown()
         self._connected = False
 

@@ -36,3 +36,6 @@ def join_uneven(model: nn.Module, state: StepState) -> Iterator[None]:
             yield
     finally:
         state.local_only = False
+        # each step inside was checked on its own process (one out of data agrees with
+        # nobody): the ranks' step counts differ now, and nothing is left to agree on
+        state.agreement.agreed_through = max(state.agreement.agreed_through, state.step)
