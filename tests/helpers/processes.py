@@ -54,13 +54,24 @@ def _parent(pid: int) -> int | None:
 
 
 def is_rank_process(pid: int) -> bool:
-    """A process ``rt.launch`` started: spawned (``spawn_main``) or forked from the fork
-    server (paratrain.launching.rank_start), whose children share its command line."""
+    """A process ``rt.launch`` started: spawned (``spawn_main``), forked from the fork
+    server (paratrain.launching.rank_start), whose children share its command line, or
+    forked from paratrain's command itself (the same command line as its parent's, whose
+    own parent's differs: not a data-loading worker of such a process)."""
     command = _command(pid)
     if b"spawn_main" in command:
         return True
     parent = _parent(pid)
-    return b"forkserver" in command and parent is not None and b"forkserver" in _command(parent)
+    if parent is None:
+        return False
+    if b"forkserver" in command:
+        return b"forkserver" in _command(parent)
+    grandparent = _parent(parent)
+    return (
+        b"paratrain" in command
+        and command == _command(parent)
+        and (grandparent is None or _command(grandparent) != command)
+    )
 
 
 def rank_processes(root: int) -> list[int]:

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from paratrain.cli.commands import COMMAND_MODULES
 from paratrain.launching.preemption import Stopped, stop_before_start
+from paratrain.launching.rank_start import fork_from_this_process
 from paratrain.utils import environment
 from paratrain.utils.atomic import FULL
 from paratrain.utils.errors import LaunchError, UserError
@@ -113,4 +114,5 @@ def entry() -> None:
     if sys.argv[1:2] in (["train"], ["run"]):  # the commands that train: a stop is theirs
         # Under plain torchrun every process gets the signal: rank 0 says it.
         stop_before_start(lambda: environment.current().is_rank_zero)
+    fork_from_this_process()  # this process does no parallel work before it launches
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""How ``rt.launch`` starts the processes of one machine: forked from a server that imported
-torch once, instead of each process importing it anew.
+"""How ``rt.launch`` starts the processes of one machine: forked from a process that has
+imported torch already, instead of each process importing it anew.
 
 A process that trains imports torch and, with its first optimizer, ``torch._dynamo``:
 seconds of CPU each (about 5 s on a 2-core machine), paid by every process of every launch.
@@ -7,6 +7,14 @@ On Linux the processes are forked from multiprocessing's *fork server* instead, 
 imported them once (:data:`PRELOAD`), so a launch after the first starts its processes in
 a fraction of a second. The fork server is a clean process of its own (no threads, no
 device initialized), which is what makes forking safe where forking the launcher is not.
+
+Paratrain's own command line (``paratrain train``) is such a clean process when it launches:
+it has run no parallel work and initialized no device. There the processes are forked from
+the command itself, which spares the fork server's start (importing torch a second time:
+about 4 s on a 2-core machine) — when it is still clean at that moment (one thread of
+Python's, no more native threads than torch's import starts, CUDA not initialized);
+otherwise from the server. A forked process starts its stop signals afresh
+(:func:`paratrain.launching.preemption.reset`).
 
 What a spawned process would have had, a forked one is given explicitly:
 
@@ -32,10 +40,12 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections.abc import Mapping
 from multiprocessing import reduction
 from typing import Any
 
+from paratrain.launching import preemption
 from paratrain.utils import environment
 
 START_METHOD_VARIABLE = "PARATRAIN_START_METHOD"
@@ -43,13 +53,43 @@ START_METHOD_VARIABLE = "PARATRAIN_START_METHOD"
 PRELOAD = ["paratrain.launching.rank_preload"]
 
 
+#: native threads of a clean process: its own and the one torch's import starts
+_CLEAN_THREADS = 2
+_fork_here = False
+
+
+def fork_from_this_process() -> None:
+    """Paratrain's command line says that its process may start the ranks itself (it runs
+    no parallel work before it launches): see :func:`start_method`."""
+    global _fork_here
+    _fork_here = True
+
+
 def start_method() -> str:
-    """``forkserver`` on Linux, ``spawn`` elsewhere or when the environment asks for it."""
+    """``fork`` from paratrain's command line while it is clean, else ``forkserver`` on
+    Linux; ``spawn`` elsewhere, or any of them when ``PARATRAIN_START_METHOD`` asks."""
     asked = environment.current().get(START_METHOD_VARIABLE)
     if asked == "spawn" or not sys.platform.startswith("linux"):
         return "spawn"
+    if asked in (None, "fork") and _fork_here and _clean():
+        return "fork"
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     return "forkserver"
+
+
+def _clean() -> bool:
+    """Whether forking this process is as safe as forking the server: no thread besides the
+    main one (a thread's lock, or an OpenMP pool, would be copied half-alive) and no CUDA
+    initialized (a forked process cannot use it)."""
+    if threading.active_count() != 1:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) <= _CLEAN_THREADS
+    except OSError:
+        return False
 
 
 class Inheritance:
@@ -76,8 +116,13 @@ class Inheritance:
         if self.streams:  # forked from the server
             _let_the_server_end()
         # the fork server ignores SIGTERM (a signal to the launcher's process group must not
-        # end it and, with it, every process it started): the process answers it again
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # end it and, with it, every process it started), the command has its own handlers:
+        # the process starts with Python's, and no stop requested (the runtime's come later)
+        preemption.reset()
+        for name in ("SIGTERM", "SIGUSR1"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _let_the_server_end() -> None:
