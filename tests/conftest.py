@@ -103,6 +103,28 @@ def private_data_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture
+def paratrain_here(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> CLI:
+    """``paratrain_here("train", ...)``: the command run in this process, in ``tmp_path``
+    (its processes start from the test session's fork server, not from a new interpreter
+    that imports torch again), returned like :func:`paratrain_cli`'s finished process. For
+    tests of what a run computes; where the command's start-up, signals or exit are the
+    subject, ``paratrain_cli``. Not for ``--deterministic``, which changes this process's
+    torch for good."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        assert "--deterministic" not in args, "use paratrain_cli: it would stay on here"
+        capfd.readouterr()
+        code = main(list(args))
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["paratrain", *args], code, out, err)
+
+    return run
+
+
+@pytest.fixture
 def paratrain_cli(tmp_path: Path) -> CLI:
     """``paratrain_cli("train", "--strategy", "ddp", ...)`` runs ``python -m paratrain ...``
     in ``tmp_path`` (``helpers.cli.run_paratrain``) and returns the finished process (stdout and
@@ -123,8 +145,7 @@ def digits_on_one_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tor
     test_resilience). Read only."""
     out = tmp_path_factory.mktemp("digits-on-one-cpu") / "run"
     args = ["train", "--recipe", "digits", "--strategy", "cpu", "--max-steps", "50"]
-    result = run_paratrain(*args, "--no-progress", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, "--no-progress", "--out", str(out)]) == 0  # in this process
     return load_file(str(out / "model.safetensors"))
 
 

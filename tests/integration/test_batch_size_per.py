@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.checkpoints.weights import unwrap_model
-from paratrain.cli.main import main
 from paratrain.runtime.batching import global_batch_size
 from paratrain.utils.errors import UserError
 
@@ -76,11 +75,9 @@ def test_global_batch_arithmetic_and_bad_values() -> None:
         paratrain.Runtime(strategy="cpu", batch_size_per="device", seed=0)
 
 
-def test_cli_batch_size_per_process(
-    paratrain_cli: CLI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_batch_size_per_process(paratrain_here: CLI, tmp_path: Path) -> None:
     args = ["train", "--recipe", "linear", "--epochs", "1", "--no-progress", "--batch-size", "10"]
-    two = paratrain_cli(
+    two = paratrain_here(
         *args,
         "--strategy",
         "ddp",
@@ -97,7 +94,7 @@ def test_cli_batch_size_per_process(
     assert saved["summary"]["steps"] == 50  # 1,000 samples in global batches of 2 x 10
     # The global batch depends on the process count: resuming with another count is refused.
     resume = ["train", "--resume", str(tmp_path / "two"), "--epochs", "2", "--strategy", "cpu"]
-    assert main(resume) == 2
-    assert "with 2 process(es)" in capsys.readouterr().err
-    assert main([*args, "--batch-size-per", "device"]) == 2
-    assert "invalid choice: 'device'" in capsys.readouterr().err
+    refused = paratrain_here(*resume)
+    assert refused.returncode == 2 and "with 2 process(es)" in refused.stderr
+    refused = paratrain_here(*args, "--batch-size-per", "device")
+    assert refused.returncode == 2 and "invalid choice: 'device'" in refused.stderr

@@ -288,25 +288,25 @@ def _assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 
 
 def test_cli_batched_and_loader_train_bit_identical_weights(
-    paratrain_cli: CLI, tmp_path: Path
+    paratrain_here: CLI, tmp_path: Path
 ) -> None:
     steps = ("--strategy", "cpu", "--max-steps", "30")
-    loader = _weights(paratrain_cli, tmp_path / "loader", *steps, "--data-path", "loader")
-    batched = _weights(paratrain_cli, tmp_path / "batched", *steps, "--data-path", "batched")
+    loader = _weights(paratrain_here, tmp_path / "loader", *steps, "--data-path", "loader")
+    batched = _weights(paratrain_here, tmp_path / "batched", *steps, "--data-path", "batched")
     _assert_bit_identical(loader, batched)
     # Stopped at step 12 on one path, resumed to 30 on the other: the same weights again.
     stop = ("--strategy", "cpu", "--max-steps", "12", "--data-path", "batched")
-    _weights(paratrain_cli, tmp_path / "resumed", *stop)
+    _weights(paratrain_here, tmp_path / "resumed", *stop)
     resume = ("--resume", str(tmp_path / "resumed"), "--max-steps", "30", "--no-progress")
-    resumed = paratrain_cli("train", *resume, "--data-path", "loader")
+    resumed = paratrain_here("train", *resume, "--data-path", "loader")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_bit_identical(loader, load_file(str(tmp_path / "resumed" / "model.safetensors")))
 
 
-def test_cli_ddp_batched_equals_loader(paratrain_cli: CLI, tmp_path: Path) -> None:
+def test_cli_ddp_batched_equals_loader(paratrain_here: CLI, tmp_path: Path) -> None:
     ddp = ("--strategy", "ddp", "--devices", "cpu,cpu", "--max-steps", "30")
-    loader = _weights(paratrain_cli, tmp_path / "loader", *ddp, "--data-path", "loader")
-    batched = _weights(paratrain_cli, tmp_path / "batched", *ddp, "--data-path", "batched")
+    loader = _weights(paratrain_here, tmp_path / "loader", *ddp, "--data-path", "loader")
+    batched = _weights(paratrain_here, tmp_path / "batched", *ddp, "--data-path", "batched")
     _assert_bit_identical(loader, batched)
 
 

@@ -3,7 +3,9 @@
 `paratrain train` runs the digits recipe in fp32 for 50 optimizer steps (into a second
 epoch, through an uneven last batch) on one CPU process, ddp, fsdp and pipeline (1F1B and
 GPipe) with 2 and with 3 gloo processes, and the balanced DataParallel on ``cpu,cpu``; the
-saved weights must agree within 1e-5.
+saved weights must agree within 1e-5. The command runs in this process (its processes start
+from the test session's fork server): what is compared is the layouts, not the command
+line's start-up, which tests/e2e runs in new processes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cli import run_paratrain
+from helpers.cli import main_in_process
 from safetensors.torch import load_file
 
 from paratrain.strategies import strategy_names
@@ -38,7 +40,9 @@ LAYOUTS = [
 ]
 
 
-def train(out: Path, strategy: str, devices: str | None) -> tuple[dict[str, torch.Tensor], str]:
+def train(
+    capfd: pytest.CaptureFixture[str], out: Path, strategy: str, devices: str | None
+) -> tuple[dict[str, torch.Tensor], str]:
     """Weights and stdout of ``paratrain train`` (digits, 50 steps, default seed)."""
     args = ["train", "--recipe", "digits"]
     args += [
@@ -52,9 +56,9 @@ def train(out: Path, strategy: str, devices: str | None) -> tuple[dict[str, torc
     ]
     if devices is not None:
         args += ["--devices", devices]
-    result = run_paratrain(*args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return load_file(str(out / "model.safetensors")), result.stdout
+    code, stdout, err = main_in_process(capfd, *args)
+    assert code == 0, err[-3000:]
+    return load_file(str(out / "model.safetensors")), stdout
 
 
 @pytest.fixture
@@ -64,9 +68,13 @@ def reference(digits_on_one_cpu: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 @pytest.mark.parametrize(("strategy", "devices"), LAYOUTS)
 def test_weights_after_50_steps_match_one_process(
-    strategy: str, devices: str, reference: dict[str, torch.Tensor], tmp_path: Path
+    strategy: str,
+    devices: str,
+    reference: dict[str, torch.Tensor],
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    weights, stdout = train(tmp_path / "run", strategy, devices)
+    weights, stdout = train(capfd, tmp_path / "run", strategy, devices)
     assert weights.keys() == reference.keys()
     diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
     print(f"\n{strategy} --devices {devices} vs cpu after 50 steps: max abs diff {diff:.3g}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.cli import run_paratrain
+from helpers.cli import CLI
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -92,10 +92,12 @@ def test_last_batch_and_documented_evaluation_match_one_process(
     assert result["correct"] == one_process["correct"]
 
 
-def _train_digits(out: Path, *layout: str) -> tuple[dict[str, torch.Tensor], list[float], str]:
+def _train_digits(
+    cli: CLI, out: Path, *layout: str
+) -> tuple[dict[str, torch.Tensor], list[float], str]:
     """``paratrain train --recipe digits`` in global batches of 359: 1437 training samples
     leave a last batch of 1 each epoch."""
-    result = run_paratrain(
+    result = cli(
         "train", "--recipe", "digits", "--batch-size", "359", "--epochs", "2",
         "--no-progress", "--out", str(out), *layout,
     )  # fmt: skip
@@ -106,11 +108,12 @@ def _train_digits(out: Path, *layout: str) -> tuple[dict[str, torch.Tensor], lis
 
 
 def test_paratrain_train_trains_a_last_batch_of_one_sample_on_two_processes(
-    tmp_path: Path,
+    tmp_path: Path, paratrain_here: CLI
 ) -> None:
-    reference, reference_losses, _ = _train_digits(tmp_path / "cpu", "--strategy", "cpu")
+    cpu = _train_digits(paratrain_here, tmp_path / "cpu", "--strategy", "cpu")
+    reference, reference_losses, _ = cpu
     weights, losses, stdout = _train_digits(
-        tmp_path / "ddp", "--strategy", "ddp", "--devices", "cpu,cpu"
+        paratrain_here, tmp_path / "ddp", "--strategy", "ddp", "--devices", "cpu,cpu"
     )
     assert "trained 2 epochs, 10 steps" in stdout  # 4 full batches and the last, twice
     diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
