@@ -46,7 +46,7 @@ def _command(pid: int) -> bytes:
         return b""
 
 
-def _parent(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
@@ -61,12 +61,12 @@ def is_rank_process(pid: int) -> bool:
     command = _command(pid)
     if b"spawn_main" in command:
         return True
-    parent = _parent(pid)
+    parent = parent_of(pid)
     if parent is None:
         return False
     if b"forkserver" in command:
         return b"forkserver" in _command(parent)
-    grandparent = _parent(parent)
+    grandparent = parent_of(parent)
     return (
         b"paratrain" in command
         and command == _command(parent)

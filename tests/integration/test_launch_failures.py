@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import CLI
 from helpers.cli import start_paratrain
-from helpers.processes import rank_processes
+from helpers.processes import parent_of, rank_processes
 
 import paratrain
 from paratrain.cli.main import main
@@ -153,6 +153,8 @@ def test_kill_9_of_one_worker_stops_the_run(tmp_path: Path) -> None:
         wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, "epoch 0")
         workers = spawned_workers(process.pid)
         assert len(workers) == 2
+        # the command forked them itself (paratrain.launching.rank_start), no fork server
+        assert [parent_of(worker) for worker in workers] == [process.pid] * 2
         victim = workers[-1]
         os.kill(victim, signal.SIGKILL)
         _, err = process.communicate(timeout=120)
