@@ -14,6 +14,7 @@ import torch
 from conftest import CLI, assert_stopped_and_resumed_run_is_bit_identical
 from safetensors.torch import load_file
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from paratrain.cli.main import main
@@ -185,3 +186,72 @@ def test_bench_measures_fsdp_and_says_when_it_is_the_only_fit() -> None:
     message = recommend([Candidate("cuda 32 b64", "oom"), ran]).message
     assert "the only layout that fits in memory (cuda 32 b64: out of memory)" in message
     assert "only combination that ran" in recommend([ran]).message
+
+
+# -- a model shaped like Hugging Face's GPT-2: a word embedding tied to the head ------------
+class _HFBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.ln(x))
+
+
+class _HFTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(64, WIDTH), nn.Embedding(32, WIDTH)
+        self.h = nn.ModuleList([_HFBlock() for _ in range(DEPTH)])
+        self.ln_f = nn.LayerNorm(WIDTH)
+
+
+class _HFLMHead(nn.Module):
+    """GPT2LMHeadModel's layout: ``transformer.{wte,wpe,h,ln_f}`` and ``lm_head``, whose
+    weight is ``wte``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _HFTransformer()
+        self.lm_head = nn.Linear(WIDTH, 64, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inner = self.transformer
+        x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+        for block in inner.h:
+            x = block(x)
+        return self.lm_head(inner.ln_f(x))
+
+
+def _train_tied(rt: paratrain.Runtime, path: str) -> None:
+    torch.manual_seed(0)
+    model = _HFLMHead()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens = torch.randint(64, (32, 16), generator=torch.Generator().manual_seed(0))
+    for (batch,) in rt.setup_loader(DataLoader(TensorDataset(tokens), batch_size=8)):
+        logits = model(batch)
+        rt.backward(nn.functional.cross_entropy(logits.flatten(0, 1), batch.flatten()))
+        optimizer.step()
+        optimizer.zero_grad()
+    rt.save_weights(model, path)
+
+
+def test_a_tied_word_embedding_stays_with_the_root_and_fsdp_trains_the_same_model(
+    tmp_path: Path,
+) -> None:
+    """--strategy fsdp --devices cpu,cpu (gloo): the default blocks leave GPT-2's tied
+    ``wte``/``lm_head`` to the root (FSDP refuses a parameter in two units), and four steps
+    give one process's weights, the tie kept; naming the embedding as a block is one line."""
+    model = _HFLMHead()
+    blocks = choose_blocks(model)
+    chosen = {name for name, m in model.named_modules() if any(m is b for b in blocks)}
+    assert chosen == {"transformer.wpe", *(f"transformer.h.{i}" for i in range(DEPTH))}
+    with pytest.raises(UserError, match=r"transformer.wte \(Embedding\) shares a parameter"):
+        choose_blocks(model, ["transformer.wte"])
+    paratrain.Runtime(strategy="cpu", seed=0).launch(_train_tied, str(tmp_path / "one.st"))
+    rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu", seed=0)
+    rt.launch(_train_tied, str(tmp_path / "fsdp.st"))
+    one, two = load_file(str(tmp_path / "one.st")), load_file(str(tmp_path / "fsdp.st"))
+    assert one.keys() == two.keys()
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6

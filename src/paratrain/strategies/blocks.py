@@ -6,6 +6,10 @@ repeated layers of any model: walking down from the root, a child with parameter
 block when its class repeats among its siblings (ResNet's ``layer1..4``) or when it is an
 entry of an ``nn.Sequential``/``nn.ModuleList`` (a transformer's blocks); other children are
 searched inside. Whatever no block holds (embeddings, final norm, head) belongs to the root.
+
+A module that shares a parameter with a module outside it (Hugging Face's tied word
+embedding and language-model head: GPT-2's ``wte`` and ``lm_head``) is never a block of its
+own: FSDP refuses a parameter managed by two units, and the root holds both.
 """
 
 from __future__ import annotations
@@ -22,15 +26,27 @@ def has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _uses(module: nn.Module) -> Counter[int]:
+    """How many times each parameter is held in ``module`` (a tied one: several)."""
+    return Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+
+
+def shares_outside(module: nn.Module, everywhere: Counter[int]) -> bool:
+    """Whether ``module`` holds a parameter that some module outside it holds too
+    (``everywhere``: :func:`_uses` of the whole model)."""
+    return any(everywhere[key] > count for key, count in _uses(module).items())
+
+
 def default_blocks(model: nn.Module) -> list[nn.Module]:
     blocks: list[nn.Module] = []
+    everywhere = _uses(model)
 
     def visit(parent: nn.Module) -> None:
         children = [child for child in parent.children() if has_parameters(child)]
         counts = Counter(type(child) for child in children)
         container = isinstance(parent, (nn.Sequential, nn.ModuleList))
         for child in children:
-            if container or counts[type(child)] >= 2:
+            if (container or counts[type(child)] >= 2) and not shares_outside(child, everywhere):
                 blocks.append(child)
             else:
                 visit(child)
@@ -51,6 +67,15 @@ def named_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
                 found.append(module)
                 matched.add(name)
                 break
+    everywhere = _uses(model)
+    for module in found:
+        if shares_outside(module, everywhere):
+            name = next(n for n, m in model.named_modules() if m is module)
+            raise UserError(
+                f"--fsdp-blocks: {name} ({type(module).__name__}) shares a parameter with a "
+                "module outside it (tied weights, such as a word embedding and the head): "
+                "FSDP cannot shard it as a unit of its own; leave it out of --fsdp-blocks"
+            )
     unknown = [name for name in names if name not in matched]
     if unknown:
         classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
