@@ -210,6 +210,8 @@ class _HFLMHead(nn.Module):
     """GPT2LMHeadModel's layout: ``transformer.{wte,wpe,h,ln_f}`` and ``lm_head``, whose
     weight is ``wte``'s."""
 
+    _no_split_modules = ("_HFBlock",)  # what Hugging Face models declare (GPT2Block...)
+
     def __init__(self) -> None:
         super().__init__()
         self.transformer = _HFTransformer()
@@ -240,13 +242,21 @@ def _train_tied(rt: paratrain.Runtime, path: str) -> None:
 def test_a_tied_word_embedding_stays_with_the_root_and_fsdp_trains_the_same_model(
     tmp_path: Path,
 ) -> None:
-    """--strategy fsdp --devices cpu,cpu (gloo): the default blocks leave GPT-2's tied
-    ``wte``/``lm_head`` to the root (FSDP refuses a parameter in two units), and four steps
-    give one process's weights, the tie kept; naming the embedding as a block is one line."""
+    """--strategy fsdp --devices cpu,cpu (gloo): the default blocks are the classes the
+    model declares (``_no_split_modules``); without them, the repeated layers, leaving
+    GPT-2's tied ``wte``/``lm_head`` to the root (FSDP refuses a parameter in two units).
+    Four steps give one process's weights, the tie kept; naming the embedding as a block is
+    one line."""
     model = _HFLMHead()
-    blocks = choose_blocks(model)
-    chosen = {name for name, m in model.named_modules() if any(m is b for b in blocks)}
-    assert chosen == {"transformer.wpe", *(f"transformer.h.{i}" for i in range(DEPTH))}
+
+    def chosen() -> set[str]:
+        blocks = choose_blocks(model)
+        return {name for name, m in model.named_modules() if any(m is b for b in blocks)}
+
+    layers = {f"transformer.h.{i}" for i in range(DEPTH)}
+    assert chosen() == layers
+    model._no_split_modules = ()  # type: ignore[assignment]
+    assert chosen() == {"transformer.wpe", *layers}
     with pytest.raises(UserError, match=r"transformer.wte \(Embedding\) shares a parameter"):
         choose_blocks(model, ["transformer.wte"])
     paratrain.Runtime(strategy="cpu", seed=0).launch(_train_tied, str(tmp_path / "one.st"))

@@ -6,6 +6,8 @@ repeated layers of any model: walking down from the root, a child with parameter
 block when its class repeats among its siblings (ResNet's ``layer1..4``) or when it is an
 entry of an ``nn.Sequential``/``nn.ModuleList`` (a transformer's blocks); other children are
 searched inside. Whatever no block holds (embeddings, final norm, head) belongs to the root.
+A model that names its own blocks (Hugging Face's ``_no_split_modules``: ``GPT2Block``,
+``LlamaDecoderLayer``) gets those instead, as Accelerate's FSDP plugin does.
 
 A module that shares a parameter with a module outside it (Hugging Face's tied word
 embedding and language-model head: GPT-2's ``wte`` and ``lm_head``) is never a block of its
@@ -38,8 +40,11 @@ def shares_outside(module: nn.Module, everywhere: Counter[int]) -> bool:
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
-    blocks: list[nn.Module] = []
     everywhere = _uses(model)
+    declared = _declared_blocks(model)
+    if declared:
+        return [m for m in declared if not shares_outside(m, everywhere)]
+    blocks: list[nn.Module] = []
 
     def visit(parent: nn.Module) -> None:
         children = [child for child in parent.children() if has_parameters(child)]
@@ -53,6 +58,22 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
 
     visit(model)
     return blocks
+
+
+def _declared_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules of the classes the model declares unsplittable (``_no_split_modules``,
+    Hugging Face's), outermost only; none when it declares none or none is present."""
+    names = getattr(model, "_no_split_modules", None)
+    if not isinstance(names, (list, tuple, set)) or not names:
+        return []
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # parents before their children
+        if id(module) in inside or module is model or type(module).__name__ not in names:
+            continue
+        found.append(module)
+        inside.update(id(part) for part in module.modules())
+    return found
 
 
 def named_blocks(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
