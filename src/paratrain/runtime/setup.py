@@ -7,6 +7,7 @@ names, the accumulating optimizer and the scheduler that follows it; and what
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -73,10 +74,11 @@ class RuntimeSetup:
             )
         rt = self.rt
         strategy, config = rt.strategy, rt.config
-        if strategy.needs_loss_fn and loss_fn is None:
+        if strategy.needs_loss_fn and loss_fn is None and not _computes_its_loss(model):
             raise UserError(
                 f"strategy {strategy.name} computes the loss on every device: "
-                "pass the loss function too, rt.setup(model, optimizer, loss_fn)"
+                "pass the loss function too, rt.setup(model, optimizer, loss_fn), or use a "
+                "model that computes its own (a forward taking labels=...: outputs.loss)"
             )
         if rt.oom_refused is not None:
             self.tell(
@@ -209,6 +211,14 @@ def _refuse_stand_in_statistics(loader: DeviceLoader, shards: int) -> None:
             "statistics; choose a batch size that leaves at least "
             f"{shards}, or drop it with DataLoader(drop_last=True)"
         )
+
+
+def _computes_its_loss(model: nn.Module) -> bool:
+    """A forward that takes ``labels`` (Hugging Face's models): it returns its own loss."""
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def step_forward(

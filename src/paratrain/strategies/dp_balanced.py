@@ -11,6 +11,10 @@ loss function both from ``rt.setup(model, optimizer, loss_fn)``. The model's out
 :class:`PerDeviceOutputs`: one part per device, which the wrapped loss understands;
 ``outputs.gather()`` gives the ordinary output on the first device.
 
+A model that computes its own loss (Hugging Face's ``model(input_ids, labels=labels).loss``)
+needs no loss function: ``outputs.loss`` (or ``outputs["loss"]``) combines each device's loss
+as below, and any other field (``outputs.logits``) is gathered on the first device.
+
 The per-device losses are weighted by their number of samples, so the result is the mean
 over the whole batch (a loss module with ``reduction="sum"`` is summed instead, and one with
 ``reduction="none"`` gives the per-sample losses in batch order). Losses that average over
@@ -72,6 +76,32 @@ class PerDeviceOutputs:
         self.sizes = sizes
         self._meter = meter
 
+    def __getattr__(self, name: str) -> Any:
+        """A field of the model's output (``.loss``, ``.logits``): see :meth:`field`."""
+        if name.startswith("_") or name in ("parts", "devices", "sizes"):
+            raise AttributeError(name)
+        return self.field(name)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.field(key)
+
+    def field(self, name: str) -> Any:
+        """One field of every part's output (an attribute or a key: a ``ModelOutput``, a
+        dataclass, a dict): a loss (one number per part) is their mean weighted by each
+        part's samples, on the first device; anything else is joined along the batch
+        dimension there, as :meth:`gather` does."""
+        values = [_field(part, name) for part in self.parts]
+        if all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in values):
+            moved = torch.stack([v.to(self.devices[0]) for v in values])
+            dtype = torch.promote_types(moved.dtype, torch.float32)
+            weights = torch.tensor(self.sizes, dtype=dtype, device=self.devices[0])
+            return ((moved.to(dtype) * weights).sum() / sum(self.sizes)).to(moved.dtype)
+        if len(values) == 1:
+            return values[0]
+        result = gather(values, self.devices[0])
+        self._meter.add(result)
+        return result
+
     def gather(self) -> Any:
         """All parts joined along the batch dimension on the first device."""
         if len(self.parts) == 1:
@@ -85,6 +115,18 @@ class PerDeviceOutputs:
             f"{size} on {device}" for size, device in zip(self.sizes, self.devices, strict=True)
         )
         return f"PerDeviceOutputs({where})"
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, dict) and name in output:  # dict, ModelOutput
+        return output[name]
+    if hasattr(output, name):
+        return getattr(output, name)
+    raise AttributeError(
+        f"the model's output ({type(output).__name__}) has no field {name!r} under "
+        "dp-balanced; compute the loss with the loss function rt.setup(model, optimizer, "
+        "loss_fn) returned, or use outputs.gather() for the whole output"
+    )
 
 
 class BalancedDataParallel(nn.DataParallel[nn.Module]):

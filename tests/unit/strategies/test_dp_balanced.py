@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -276,3 +277,55 @@ def test_without_cuda_the_default_devices_point_to_cpu(
         pytest.skip("this machine has CUDA")
     assert cli.main(["train", "--strategy", "dp-balanced", "--out", str(tmp_path)]) == 2
     assert "--devices cpu,cpu" in capsys.readouterr().err
+
+
+@dataclasses.dataclass
+class _Output:
+    """What a Hugging Face model returns (a ``ModelOutput`` is a dataclass and a dict)."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class _LabelsModel(nn.Module):
+    """The Hugging Face idiom: ``model(x, labels=y).loss``, no loss function of one's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> _Output:
+        logits = self.head(torch.relu(self.body(x)))
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return _Output(loss, logits)
+
+
+def _labels_loop(strategy: str, devices: str | None) -> tuple[nn.Module, torch.Tensor]:
+    rt = paratrain.Runtime(strategy=strategy, devices=devices, seed=7)
+    model = _LabelsModel()
+    wrapped, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.2))
+    x, _, y = _dict_data().tensors
+    loader = rt.setup_loader(DataLoader(TensorDataset(x, y), batch_size=10))
+    for _ in range(2):  # 53 samples: a last batch of 3, one per device
+        for inputs, labels in loader:
+            rt.backward(wrapped(inputs, labels=labels).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, wrapped(x).logits
+
+
+def test_a_model_that_computes_its_own_loss_needs_no_loss_function() -> None:
+    """dp-balanced on cpu,cpu,cpu: ``model(x, labels=y).loss`` is the whole batch's loss (each
+    device's weighted by its samples), ``.logits`` the whole batch's; the weights match one
+    process. A field the output lacks is named in one line."""
+    reference, reference_logits = _labels_loop("cpu", None)
+    model, logits = _labels_loop("dp-balanced", "cpu,cpu,cpu")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
+    assert torch.allclose(logits, reference_logits, atol=1e-6)
+    rt = paratrain.Runtime(strategy="dp-balanced", devices="cpu,cpu", seed=0)
+    wrapped = rt.setup(_LabelsModel())  # no loss function: its forward takes labels
+    outputs = wrapped(torch.randn(4, 6))
+    assert isinstance(outputs, PerDeviceOutputs)
+    with pytest.raises(AttributeError, match="has no field 'hidden_states' under dp-balanced"):
+        _ = outputs.hidden_states
