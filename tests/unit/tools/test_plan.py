@@ -4,6 +4,7 @@ over real tensors (--strategy cpu: one process, the layout's per-device batch)."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,3 +188,50 @@ def test_fsdp_prediction_within_15_percent_of_two_real_processes() -> None:
         plan = plan_memory(lambda b, f=build: trace_step(f, b), "m", 16, "32", 2, "cpu", 1, "-")
         predicted = {p.layout: p.peak for p in plan.layouts}["fsdp"]
         assert abs(predicted / peak - 1) <= 0.15, (predicted, peak)
+
+
+_OUTPUT_SCRIPT = """
+import dataclasses
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class Output:  # what a Hugging Face model returns: a dataclass (and a dict)
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return Output(None, self.head(torch.relu(self.body(x))))
+
+
+def build():
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.logits, y)
+
+    def sample(n):
+        return torch.randn(n, 16), torch.randint(0, 4, (n,))
+
+    return Model(), loss_fn, sample
+"""
+
+
+def test_plan_of_a_model_returning_a_dataclass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`paratrain plan --script` on a model whose output is a dataclass (a ``ModelOutput``):
+    its logits are counted as the output, not a traceback."""
+    script = tmp_path / "model.py"
+    script.write_text(_OUTPUT_SCRIPT)
+    args = ["plan", "--script", f"{script}:build", "--batch-size", "8", "--accelerator", "cpu"]
+    assert main([*args, "--json"]) == 0, capsys.readouterr().err
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layouts"][0]["layout"] == "cpu"
+    assert plan["layouts"][0]["devices"][0]["total"] > 0
