@@ -114,6 +114,10 @@ def test_a_value_skipping_a_stage_is_refused() -> None:
         (("--devices", "cpu,cpu,cpu", "--pipeline-split", "classifier"), "make 2 stages"),
         (("--devices", "cpu,cpu", "--precision", "fp16"), "needs a GradScaler shared"),
         (("--devices", "cpu,cpu", "--compile"), "--compile does not work with --strategy pipeline"),
+        (
+            ("--devices", "cpu,cpu", "--recipe", "cifar10-resnet18", "--synthetic", "64"),
+            "ResNet has BatchNorm (20 layers), which would normalize each with its own",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -98,12 +98,29 @@ class PipelineStrategy(DDPStrategy):
         return [0]
 
     def check_model(self, model: nn.Module) -> None:
+        self._refuse_batchnorm(model)
         plan_stages(model, self.collective.world_size, self.options.pipeline_split)
+
+    def _refuse_batchnorm(self, model: nn.Module) -> None:
+        """BatchNorm would see micro-batches: each normalized with its own statistics, and
+        the running ones counted once per micro-batch, a different model from one process's.
+        One micro-batch per batch keeps it exact."""
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        microbatches = self.options.pipeline_microbatches
+        if norms and microbatches > 1:
+            raise UserError(
+                f"--strategy pipeline cuts each batch into {microbatches} micro-batches, and "
+                f"{type(model).__name__} has BatchNorm ({len(norms)} layers), which would "
+                "normalize each with its own statistics: a different model from one "
+                "process's. Use --pipeline-microbatches 1 (exact, stages run in turn), "
+                "another layout (ddp, fsdp), or GroupNorm/LayerNorm"
+            )
 
     def place_model(self, model: nn.Module) -> None:
         """Nothing: ``wrap_model`` moves only this process's stage to its device."""
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        self._refuse_batchnorm(model)
         count, index = self.collective.world_size, self.collective.rank
         stages = plan_stages(model, count, self.options.pipeline_split)
         full_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
