@@ -121,7 +121,10 @@ def _trace(model: nn.Module, points: Sequence[str]) -> fx.GraphModule:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(
             f"--strategy pipeline could not follow {type(model).__name__}.forward down to its "
-            f"split points ({first}); split at top-level modules, or use an nn.Sequential"
+            f"split points ({first}): its forward has control flow or calls that torch.fx "
+            "cannot trace (Hugging Face and timm models do). Train it with --strategy fsdp "
+            "(shards it across the processes, no tracing) or ddp; a model of your own can be "
+            "split at top-level modules, or written as an nn.Sequential"
         ) from None
     return fx.GraphModule(model, graph)
 

@@ -1,0 +1,94 @@
+"""Hugging Face Transformers models on every layout, as a user's loop trains them:
+``model(input_ids, labels=input_ids).loss``, AdamW, ``rt.setup_loader``. Tiny GPT-2 (its head
+tied to the word embedding) and Llama configs, built from their configs on the CPU: the
+weights after six steps on ddp, fsdp (the default blocks: the model's ``_no_split_modules``)
+and dp-balanced (the model's own loss on each device) must be one process's within 1e-5, and
+the saved weights load with ``from_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+from paratrain.utils.errors import UserError
+
+pytestmark = pytest.mark.slow  # real processes
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-5
+
+
+def _config(family: str) -> Any:
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+    return transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def _train(rt: paratrain.Runtime, family: str, path: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tokens = torch.randint(64, (48, 16), generator=torch.Generator().manual_seed(0))
+    for (ids,) in rt.setup_loader(DataLoader(TensorDataset(tokens), batch_size=8)):
+        rt.backward(model(ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    rt.save_weights(model, path)
+
+
+_ONE_PROCESS: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _one_process(family: str, folder: Path) -> dict[str, torch.Tensor]:
+    if family not in _ONE_PROCESS:
+        path = folder / f"{family}-cpu.safetensors"
+        paratrain.Runtime(strategy="cpu", seed=0).launch(_train, family, str(path))
+        _ONE_PROCESS[family] = load_file(str(path))
+    return _ONE_PROCESS[family]
+
+
+@pytest.mark.parametrize(
+    ("family", "strategy"),
+    [("gpt2", "ddp"), ("gpt2", "fsdp"), ("gpt2", "dp-balanced"), ("llama", "fsdp")],
+)
+def test_a_hugging_face_model_trains_the_same_on_two_cpu_devices(
+    family: str, strategy: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp(f"{family}-{strategy}")
+    reference = _one_process(family, tmp_path_factory.getbasetemp())
+    path = folder / "model.safetensors"
+    paratrain.Runtime(strategy=strategy, devices="cpu,cpu", seed=0).launch(
+        _train, family, str(path)
+    )
+    weights = load_file(str(path))
+    assert weights.keys() == reference.keys()
+    diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+    print(f"\n{family} {strategy} --devices cpu,cpu vs cpu after 6 steps: max abs diff {diff:.3g}")
+    assert diff < TOLERANCE
+    # the run's weights are a Hugging Face checkpoint: config.json beside them
+    _config(family).save_pretrained(folder)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+
+
+def test_pipeline_refuses_a_hugging_face_model_and_names_what_works(tmp_path: Path) -> None:
+    """--strategy pipeline --devices cpu,cpu: GPT-2's forward cannot be traced down to its
+    blocks; the refusal is one line that names the layouts that do train it."""
+    rt = paratrain.Runtime(strategy="pipeline", devices="cpu,cpu", seed=0)
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel.forward .* --strategy fsdp"):
+        rt.launch(_train, "gpt2", str(tmp_path / "model.safetensors"))
