@@ -7,6 +7,7 @@ the saved weights load with ``from_pretrained``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain.cli.main import main
 from paratrain.utils.errors import UserError
 
 pytestmark = pytest.mark.slow  # real processes
@@ -92,3 +94,38 @@ def test_pipeline_refuses_a_hugging_face_model_and_names_what_works(tmp_path: Pa
     rt = paratrain.Runtime(strategy="pipeline", devices="cpu,cpu", seed=0)
     with pytest.raises(UserError, match=r"GPT2LMHeadModel.forward .* --strategy fsdp"):
         rt.launch(_train, "gpt2", str(tmp_path / "model.safetensors"))
+
+
+_FACTORY = """
+import torch
+import transformers
+from torch import nn
+
+
+def build():
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def loss_fn(out, ids):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
+
+    def sample(n):
+        ids = torch.randint(64, (n, 16))
+        return ids, ids
+
+    return model, loss_fn, sample
+"""
+
+
+def test_plan_of_gpt2_has_a_row_per_layout_that_trains_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`paratrain plan --script` on GPT-2 (its output a ModelOutput): rows for cpu, ddp and
+    fsdp; none for pipeline, which refuses the model, and the plan says why."""
+    script = tmp_path / "gpt2.py"
+    script.write_text(_FACTORY)
+    argv = ["plan", "--script", f"{script}:build", "--batch-size", "8", "--accelerator", "cpu"]
+    assert main([*argv, "--devices", "2", "--json"]) == 0, capsys.readouterr().err
+    plan = json.loads(capsys.readouterr().out)
+    assert [row["layout"] for row in plan["layouts"]] == ["cpu", "ddp", "fsdp"]
+    assert "could not follow GPT2LMHeadModel.forward" in plan["refused"]["pipeline"]

@@ -21,7 +21,7 @@ from torch import nn
 from paratrain.models.meta_init import is_meta
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
-from paratrain.strategies.pipeline_plan import plan_stages
+from paratrain.strategies.pipeline_plan import batchnorm_refusal, plan_stages
 from paratrain.strategies.pipelined_model import SCHEDULES, LossFn, PipelinedModel
 from paratrain.strategies.registry import register
 from paratrain.utils.catalog import STRATEGIES
@@ -102,19 +102,9 @@ class PipelineStrategy(DDPStrategy):
         plan_stages(model, self.collective.world_size, self.options.pipeline_split)
 
     def _refuse_batchnorm(self, model: nn.Module) -> None:
-        """BatchNorm would see micro-batches: each normalized with its own statistics, and
-        the running ones counted once per micro-batch, a different model from one process's.
-        One micro-batch per batch keeps it exact."""
-        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        microbatches = self.options.pipeline_microbatches
-        if norms and microbatches > 1:
-            raise UserError(
-                f"--strategy pipeline cuts each batch into {microbatches} micro-batches, and "
-                f"{type(model).__name__} has BatchNorm ({len(norms)} layers), which would "
-                "normalize each with its own statistics: a different model from one "
-                "process's. Use --pipeline-microbatches 1 (exact, stages run in turn), "
-                "another layout (ddp, fsdp), or GroupNorm/LayerNorm"
-            )
+        refused = batchnorm_refusal(model, self.options.pipeline_microbatches)
+        if refused is not None:
+            raise UserError(refused)
 
     def place_model(self, model: nn.Module) -> None:
         """Nothing: ``wrap_model`` moves only this process's stage to its device."""

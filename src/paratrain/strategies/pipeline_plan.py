@@ -309,3 +309,19 @@ def _check_no_shared_parameters(
 
 def _parameter_count(module: nn.Module) -> int:
     return sum(param.numel() for param in module.parameters())
+
+
+def batchnorm_refusal(model: nn.Module, microbatches: int) -> str | None:
+    """Why the pipeline refuses ``model``'s BatchNorm, if it does: each micro-batch would be
+    normalized with its own statistics, and the running ones counted once per micro-batch,
+    a different model from one process's. One micro-batch per batch keeps it exact."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms or microbatches <= 1:
+        return None
+    return (
+        f"--strategy pipeline cuts each batch into {microbatches} micro-batches, and "
+        f"{type(model).__name__} has BatchNorm ({len(norms)} layers), which would "
+        "normalize each with its own statistics: a different model from one "
+        "process's. Use --pipeline-microbatches 1 (exact, stages run in turn), "
+        "another layout (ddp, fsdp), or GroupNorm/LayerNorm"
+    )

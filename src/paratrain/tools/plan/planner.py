@@ -46,6 +46,8 @@ class MemoryPlan:
     #: one process per device sharing the host's memory (CPU layouts): the sum must fit
     shared: bool
     layouts: list[LayoutPlan] = field(default_factory=list)
+    #: layouts that refuse the model, and why
+    refused: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +58,7 @@ class MemoryPlan:
             "memory_source": self.memory_source,
             "shared_memory": self.shared,
             "layouts": [p.as_dict() for p in self.layouts],
+            "refused": dict(self.refused),
         }
 
 
@@ -101,6 +104,7 @@ class Traces:
             high.unblocked_bytes,
             high.stage_parameter_bytes,
             high.stage_activation_bytes,
+            high.stage_refusal,
         )
 
 
@@ -125,6 +129,9 @@ def plan_memory(
     if len({t for t in (layout.per_device(batch) for layout in chosen)}) < 2:
         traces.at(2 * batch)  # two points for the straight line
     for layout in chosen:
+        if layout.name == "pipeline" and traces.at(batch).stage_refusal:
+            plan.refused[layout.name] = traces.at(batch).stage_refusal
+            continue
         found = _devices(layout, traces.at(layout.per_device(batch)), traces.at(batch))
         fits = _fits(found, device_memory, shared)
         plan.layouts.append(

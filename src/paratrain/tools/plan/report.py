@@ -54,6 +54,8 @@ def print_plan(plan: MemoryPlan, console: Console | None = None) -> None:
                 _largest(layout.largest_batch) if first else "",
             )
     console.print(table)
+    for name, why in plan.refused.items():
+        console.print(f"{name}: no row, it refuses the model: {why}", markup=False)
     console.print(
         "bytes: K, M, G (binary). Predicted from a traced step on fake tensors (nothing "
         "allocated); the largest batch follows a straight line through two traced batch sizes"

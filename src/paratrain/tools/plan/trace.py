@@ -81,6 +81,8 @@ class StepTrace:
     #: bytes of the outputs of the modules in each of those stages in one forward: where
     #: the activations sit (a stage of convolutions holds more than one large linear layer)
     stage_activation_bytes: tuple[int, ...] = ()
+    #: why ``--strategy pipeline`` cannot cut the model (empty: it can, or was not asked)
+    stage_refusal: str = ""
 
 
 def trace_step(
@@ -108,7 +110,7 @@ def trace_step(
             model = wrap(model)
         optimizer = make_optimizer(model.parameters())
         inputs, targets = sample(batch)
-        stage_modules = _stage_modules(model, stages) if stages > 1 else []
+        stage_modules, refusal = _stage_modules(model, stages) if stages > 1 else ([], "")
         produced, hooks = _count_outputs(model)
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
@@ -143,16 +145,22 @@ def trace_step(
         parameter_bytes - sum(blocks),
         stage_bytes,
         stage_outputs,
+        refusal,
     )
 
 
-def _stage_modules(model: nn.Module, stages: int) -> list[nn.Module]:
-    from paratrain.strategies.pipeline_plan import plan_stages
+def _stage_modules(model: nn.Module, stages: int) -> tuple[list[nn.Module], str]:
+    """The pipeline's stages of ``model``, or why it cannot cut it."""
+    from paratrain.strategies.base import StrategyOptions
+    from paratrain.strategies.pipeline_plan import batchnorm_refusal, plan_stages
 
+    refused = batchnorm_refusal(model, StrategyOptions().pipeline_microbatches)
+    if refused is not None:
+        return [], refused
     try:
-        return plan_stages(model, stages)
-    except UserError:  # a model pipeline cannot cut: the layouts assume even stages
-        return []
+        return plan_stages(model, stages), ""
+    except UserError as refused:  # the plan has no pipeline row, and says why
+        return [], str(refused)
 
 
 def _count_outputs(model: nn.Module) -> tuple[dict[int, int], list[Any]]:
