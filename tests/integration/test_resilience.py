@@ -217,8 +217,14 @@ def test_a_sleeping_rank_of_a_users_script_is_named_with_its_stack(tmp_path: Pat
 
 
 @pytest.mark.timeout(240)
-def test_paratrain_train_names_a_rank_stuck_in_python(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", [(), ("--max-restarts", "1")], ids=["spawn", "agent"])
+def test_paratrain_train_names_a_rank_stuck_in_python(
+    tmp_path: Path, launcher: tuple[str, ...]
+) -> None:
+    """--hang-timeout reaches the watchdog of either launcher (rt.launch's, or torchrun's
+    agent under --max-restarts) as a parameter."""
     args = ["train", *CPU2, "--max-steps", "40", "--no-progress", "--hang-timeout", "4"]
+    args += list(launcher)
     result = paratrain(*args, "--out", "run", cwd=tmp_path, PARATRAIN_TEST_FAULT="stall:1:5")
     err = result.stderr
     assert result.returncode == 1, err[-3000:]

@@ -101,15 +101,23 @@ def _torchrun_args(nodes: Nodes, nprocs: int, entry: Sequence[str], run_id: str)
 
 
 def run_agent(
-    entry: Sequence[str], nprocs: int, env: dict[str, str], nodes: Nodes, what: str
+    entry: Sequence[str],
+    nprocs: int,
+    env: dict[str, str],
+    nodes: Nodes,
+    what: str,
+    hang_seconds: float | None = None,
 ) -> None:
     """``python -m *entry`` in ``nprocs`` processes on this machine (one agent of ``nodes``).
 
     ``env`` is added to the environment the processes inherit; ``what`` names the work in
-    errors (the script, or ``paratrain train``).
+    errors (the script, or ``paratrain train``); ``hang_seconds``: the hang watchdog's
+    timeout (None: ``PARATRAIN_HANG_TIMEOUT`` or 600; 0: off).
     """
     nodes.check()
-    AgentLauncher(nodes, nprocs, what).start(entry, env)
+    launcher = AgentLauncher(nodes, nprocs, what)
+    launcher.hang_seconds = hang_seconds
+    launcher.start(entry, env)
 
 
 class AgentLauncher(Launcher):

@@ -65,7 +65,8 @@ def start_agent(cfg: TrainConfig, nodes: Nodes) -> int:
     threads = choose_for(processes, cfg.threads, not cfg.deterministic)
     env.update(threads.child_environment())
     say_note(started_note(threads, processes))
-    run_agent(["paratrain.cli.entry", "train"], processes, env, nodes, "paratrain train")
+    entry = ["paratrain.cli.entry", "train"]
+    run_agent(entry, processes, env, nodes, "paratrain train", cfg.hang_timeout)
     return 0
 
 

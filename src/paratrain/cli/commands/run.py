@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         entry = ["paratrain.cli.entry", "run", args.script, *script_args]
         say_note(started_note(threads, processes))
-        run_agent(entry, processes, env, nodes, args.script)
+        run_agent(entry, processes, env, nodes, args.script, args.hang_timeout)
     except Stopped as stop:
         requeue_on_stop(args, tasks, stop)
         raise

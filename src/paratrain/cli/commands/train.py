@@ -18,7 +18,6 @@ from paratrain.launching.agent import Nodes
 from paratrain.launching.preemption import Stopped
 from paratrain.launching.slurm import SlurmTasks
 from paratrain.launching.threads import say_note, started_note
-from paratrain.launching.watchdog import TIMEOUT_VARIABLE
 from paratrain.runtime.config import check_hang_timeout, command_line_options
 from paratrain.training.config import DEFAULT_RECIPE, TrainConfig
 from paratrain.training.mlflow_logger import DEFAULT_URI, require_mlflow
@@ -343,8 +342,6 @@ def _run_locked(
         cfg = planned
     try:
         if nodes.uses_agent and not launched():
-            if cfg.hang_timeout is not None:  # torchrun's agent reads it from there
-                environment.export({TIMEOUT_VARIABLE: str(cfg.hang_timeout)})
             return start_agent(cfg, nodes)  # several machines or restarts: torchrun's agent
         return train_command(cfg)
     except Stopped as stop:
