@@ -35,6 +35,8 @@ class Layout:
     processes: int  # devices of the layout
     #: samples one device's traced step has, for a global batch
     per_device: Callable[[int], int]
+    #: the model is cut into stages, one per device (a model that cannot be cut: no row)
+    staged: bool = False
 
 
 def layouts(devices: int, accelerator: str) -> list[Layout]:
@@ -45,7 +47,7 @@ def layouts(devices: int, accelerator: str) -> list[Layout]:
     part = _part(devices)
     names: tuple[str, ...] = ("dp", "dp-balanced") if accelerator == "cuda" else ()
     names += ("ddp", "fsdp", "pipeline")
-    return [single] + [Layout(name, devices, part) for name in names]
+    return [single] + [Layout(name, devices, part, name == "pipeline") for name in names]
 
 
 def _part(devices: int) -> Callable[[int], int]:

@@ -129,7 +129,7 @@ def plan_memory(
     if len({t for t in (layout.per_device(batch) for layout in chosen)}) < 2:
         traces.at(2 * batch)  # two points for the straight line
     for layout in chosen:
-        if layout.name == "pipeline" and traces.at(batch).stage_refusal:
+        if layout.staged and traces.at(batch).stage_refusal:
             plan.refused[layout.name] = traces.at(batch).stage_refusal
             continue
         found = _devices(layout, traces.at(layout.per_device(batch)), traces.at(batch))
