@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from paratrain.data.iterable_split import split_iterable_loader, worker_settings
 from paratrain.data.placement import move_to_device
+from paratrain.data.stateful import loader_class, shuffles, splittable
 from paratrain.launching.heartbeat import beat
 from paratrain.utils.errors import UserError
 
@@ -272,6 +273,23 @@ class DeviceLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def state_dict(self) -> dict[str, Any]:
+        """A stateful loader's position (torchdata's ``StatefulDataLoader``), with the epoch
+        whose order it is in."""
+        inner = getattr(self.loader, "state_dict", None)
+        if inner is None:
+            raise AttributeError(
+                f"{type(self.loader).__name__} keeps no position of its own: rt.save and "
+                "rt.load keep paratrain's (or use torchdata's StatefulDataLoader)"
+            )
+        return {"epoch": self.epoch, "loader": inner()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position: its epoch's order, the batches its
+        loader had not handed out yet."""
+        self.set_epoch(int(state["epoch"]))
+        self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+
     def _loss_weights(self) -> list[float] | None:
         """Per-batch weights that make the mean of the processes' losses the global mean
         (0 for a stand-in: its process has no sample of the batch)."""
@@ -368,7 +386,7 @@ def shard_loader(
                 "cannot be split across processes"
             )
         return loader, None
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    if not splittable(loader.sampler):
         if world_size > 1:
             raise UserError(
                 f"the loader's sampler {type(loader.sampler).__name__} cannot be split across "
@@ -377,9 +395,9 @@ def shard_loader(
         return loader, None
     if not isinstance(loader.dataset, Sized):
         return loader, None
-    random = loader.sampler if isinstance(loader.sampler, RandomSampler) else None
+    random = loader.sampler if shuffles(loader.sampler) else None
     shuffle = random is not None
-    if random is not None and random.replacement:
+    if random is not None and getattr(random, "replacement", False):
         warnings.warn("sampling with replacement is replaced by a shuffle", stacklevel=3)
     sampler = ShardedBatchSampler(
         len(loader.dataset),
@@ -390,7 +408,7 @@ def shard_loader(
         world_size=world_size,
         drop_last=loader.drop_last,
         evaluation=evaluation,
-        generator=None if random is None else random.generator,
+        generator=None if random is None else getattr(random, "generator", None),
         agree=agree,
     )
     if seed is None:
@@ -400,7 +418,7 @@ def shard_loader(
         # A private generator: starting an epoch then draws nothing from the global one,
         # so a run resumed mid-epoch continues the same random stream.
         generator = loader.generator or torch.Generator().manual_seed(seed)
-    rebuilt = DataLoader(
+    rebuilt = loader_class(loader)(
         loader.dataset,
         batch_sampler=sampler,
         generator=generator,

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from paratrain.data.batched_loader import TensorBatchLoader
 from paratrain.data.loaders import BatchSink, DeviceLoader, ShardedBatchSampler, shard_loader
+from paratrain.data.stateful import keeps_position
 from paratrain.data.tensor_data import TensorRows, tensor_rows
 from paratrain.utils.errors import UserError
 
@@ -115,6 +116,8 @@ def _rows(loader: DataLoader[Any], sampler: ShardedBatchSampler | None) -> Tenso
             "the loader has its own sampler or batch_sampler, or no batch_size; build it "
             "with batch_size and shuffle=True or False"
         )
+    if keeps_position(loader):
+        return f"{type(loader).__name__} keeps its own position (its state_dict)"
     if loader.num_workers > 0:
         return f"the loader has num_workers={loader.num_workers} (tensors need none)"
     if loader.collate_fn is not default_collate:
