@@ -53,6 +53,7 @@ from paratrain.checkpoints.state.store import (
 )
 from paratrain.distributed.collective import Collective
 from paratrain.utils.errors import UserError
+from paratrain.utils.tensor_bytes import tensor_bytes
 from paratrain.version import __version__
 
 #: 2: with a manifest (:mod:`.manifest`); 1: written before manifests, read unverified
@@ -235,7 +236,7 @@ class Checkpointer:
             files[rng_file(rank)] = _torch_writer(detached_copy(part["rng"]))
         files[STATE] = _json_writer(state)  # last: its presence marks a complete set
         run_dir, keep = self.run_dir, self.keep
-        size = _bytes_of((weights, optimizer, [g["rng"] for g in gathered]))
+        size = tensor_bytes((weights, optimizer, [g["rng"] for g in gathered]))
         if self._writer is None:
             return write_checkpoint(run_dir, step, files, keep, size)
         self._writer.submit(lambda: write_checkpoint(run_dir, step, files, keep, size))
@@ -326,17 +327,6 @@ def damage(checkpoint: Path) -> str | None:
     except OSError as exc:
         return f"{checkpoint} cannot be read: {exc}"
     return None
-
-
-def _bytes_of(obj: Any) -> int:
-    """About the bytes the tensors in ``obj`` take on disk."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_bytes_of(value) for value in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_bytes_of(value) for value in obj)
-    return 0
 
 
 def _safetensors_writer(tensors: dict[str, torch.Tensor]) -> FileWriter:

@@ -8,7 +8,6 @@ The same tracker over real tensors (``fake=False``) is how the prediction is che
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from torch import nn
 
 from paratrain.strategies.blocks import choose_blocks
 from paratrain.utils.errors import UserError
+from paratrain.utils.tensor_bytes import tensor_bytes
 
 #: the kinds of memory a device holds at its peak, in the order they are shown
 KINDS = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -122,7 +122,7 @@ def trace_step(
                     if step == 0:  # the counts of one forward (not a recomputed one)
                         for hook in hooks:
                             hook.remove()
-                    output_bytes = _tensor_bytes(output)
+                    output_bytes = tensor_bytes(output)
                     loss = loss_fn(output, targets)
                 loss.backward()
                 del output
@@ -176,21 +176,6 @@ def _count_outputs(model: nn.Module) -> tuple[dict[int, int], list[Any]]:
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
     return produced, [m.register_forward_hook(count) for m in leaves]
-
-
-def _tensor_bytes(output: Any) -> int:
-    """Bytes of the tensors in a model's output: a tensor, a tuple, a dict, a dataclass (a
-    Hugging Face ``ModelOutput`` is the last two)."""
-    if isinstance(output, torch.Tensor):
-        return output.numel() * output.element_size()
-    if isinstance(output, dict):
-        return sum(_tensor_bytes(value) for value in output.values())
-    if isinstance(output, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in output)
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        fields = dataclasses.fields(output)
-        return sum(_tensor_bytes(getattr(output, field.name)) for field in fields)
-    return 0
 
 
 def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
