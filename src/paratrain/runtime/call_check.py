@@ -66,6 +66,9 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
 _OTHER_DTYPE = len(_DTYPES) + 1
 #: dimensions of a tensor's shape sent whole (a larger shape is told by its first ones)
 MAX_DIMS = 8
+#: the first dimension of a call whose ranks may pass different lengths
+ANY_LENGTH = -1
+_ANY_LENGTH = frozenset({"rt.all_gather"})
 _FINGERPRINT_BITS = 52  # a float64 holds every integer below 2**53 exactly
 
 
@@ -94,7 +97,10 @@ class Call:
             return cls(CALLS.index(name), code)
         shape = tuple(int(size) for size in tensor.shape)
         dtype = _DTYPE_CODES.get(tensor.dtype, _OTHER_DTYPE)
-        return cls(CALLS.index(name), code, dtype, len(shape), tensor.numel(), shape[:MAX_DIMS])
+        numel = tensor.numel()
+        if name in _ANY_LENGTH and shape:  # the ranks' lengths may differ: not compared
+            shape, numel = (ANY_LENGTH, *shape[1:]), ANY_LENGTH
+        return cls(CALLS.index(name), code, dtype, len(shape), numel, shape[:MAX_DIMS])
 
     def vector(self) -> list[int]:
         """The call as a fixed number of integers (what the second collective gathers)."""
@@ -134,9 +140,10 @@ class Call:
         return f"{name} of {_article(dtype)} {dtype} tensor of shape {self._shape()}"
 
     def _shape(self) -> str:
+        sizes = ["N" if size == ANY_LENGTH else str(size) for size in self.shape]
         if self.ndim > MAX_DIMS:
-            return f"({', '.join(map(str, self.shape))}, ...) ({self.ndim} dimensions)"
-        return str(self.shape) if self.ndim != 1 else f"({self.shape[0]},)"
+            return f"({', '.join(sizes)}, ...) ({self.ndim} dimensions)"
+        return f"({', '.join(sizes)})" if self.ndim != 1 else f"({sizes[0]},)"
 
 
 def _article(word: str) -> str:

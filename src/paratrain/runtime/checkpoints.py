@@ -24,10 +24,13 @@ class RuntimeCheckpoints:
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         strategy, step = self.rt.strategy, self.rt.state
-        # inside an accumulation group: its gradients and position too (only then)
+        # inside an accumulation group (``Runtime(accumulate=N)``'s, or one a loop makes
+        # by hand: backwards no optimizer.step() applied yet): its gradients and position
+        # too (only then)
         group = None
-        if step.micro_steps:
-            group = GroupPosition(step.micro_steps, step.accumulate, step.sync_gradients)
+        if step.micro_steps or step.unapplied:
+            done = step.micro_steps or step.unapplied
+            group = GroupPosition(done, step.accumulate, step.sync_gradients)
         with strategy.collective.operation("rt.save"):
             self._agree("rt.save")
             save_state(strategy.collective, strategy.devices, path, state, group)

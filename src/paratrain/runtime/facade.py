@@ -330,9 +330,11 @@ class Runtime:
         return self._groups.collectives.all_reduce(tensor, op, over)
 
     def all_gather(self, tensor: torch.Tensor, *, over: str = "data") -> list[torch.Tensor]:
-        """``tensor`` from each part of the data (the same shape everywhere), in rank order,
-        on every process: one per process, one per pipeline under ``pipeline`` (see
-        ``all_reduce``); ``over="processes"``: one per process everywhere."""
+        """``tensor`` from each part of the data, in rank order, on every process: one per
+        process, one per pipeline under ``pipeline`` (see ``all_reduce``);
+        ``over="processes"``: one per process everywhere. The first dimension may differ
+        between processes (an evaluation loader's uneven last batch); each part comes back
+        at its own length."""
         self._connect()
         return self._groups.collectives.all_gather(tensor, over)
 

@@ -40,6 +40,10 @@ class StepState:
         self.step = 0
         #: micro-batches whose gradients are summed since the last optimizer step
         self.micro_steps = 0
+        #: backwards since the last ``optimizer.step()``, whatever ``accumulate`` says: a
+        #: loop that accumulates by hand (``if step % 2 == 0: optimizer.step()``) has
+        #: gradients no step applied yet, which a checkpoint must keep
+        self.unapplied = 0
         #: whether the next ``optimizer.step()`` applies the gradients
         self.sync_gradients = True
         #: whether the last micro-batch's backward was skipped (a non-finite loss, ``skip``)
@@ -118,6 +122,7 @@ class StepState:
         self._begun = False
         self.batch = PLAIN_BATCH
         self._admitted = self._admitted or not self.skipped
+        self.unapplied += 1
         if ends:
             self.step += 1
             self.group_skipped = not self._admitted
@@ -129,11 +134,13 @@ class StepState:
     def applied(self) -> None:
         """``optimizer.step()`` applied the group's gradients."""
         self.micro_steps = 0
+        self.unapplied = 0
         self.sync_gradients = self.accumulate == 1
 
     def resume_group(self, micro_steps: int, sync_gradients: bool) -> None:
         """A checkpoint saved ``micro_steps`` micro-batches into a group (their gradients
         restored), ``sync_gradients`` as it was then: the group goes on from there."""
+        self.unapplied = micro_steps
         if self.accumulate > 1 and micro_steps > 0:
             self.micro_steps = micro_steps
             self.sync_gradients = sync_gradients

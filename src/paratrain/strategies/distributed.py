@@ -128,11 +128,26 @@ class TorchCollective(Collective):
         return _Started(work, dist.all_reduce(work, _OPS[op], group=self.group, async_op=True))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape on every rank), in rank order."""
+        """Every rank's ``tensor``, in rank order. The first dimension may differ between
+        ranks (an evaluation loader's last batch splits unevenly, as Accelerate's
+        ``gather_for_metrics`` allows): the lengths are gathered first, each part padded to
+        the longest and cut back after; every other dimension must agree."""
         work = self._out(tensor)
+        if work.dim() == 0:
+            parts = [torch.empty_like(work) for _ in range(self.world_size)]
+            dist.all_gather(parts, work, group=self.group)
+            return [part.to(tensor.device) for part in parts]
+        length = torch.tensor([work.shape[0]], device=self.device)
+        lengths = [torch.empty_like(length) for _ in range(self.world_size)]
+        dist.all_gather(lengths, length, group=self.group)
+        sizes = [int(size) for size in torch.cat(lengths).tolist()]
+        longest = max(sizes)
+        if work.shape[0] < longest:
+            padding = work.new_zeros((longest - work.shape[0], *work.shape[1:]))
+            work = torch.cat([work, padding])
         parts = [torch.empty_like(work) for _ in range(self.world_size)]
         dist.all_gather(parts, work, group=self.group)
-        return [part.to(tensor.device) for part in parts]
+        return [part[:size].to(tensor.device) for part, size in zip(parts, sizes, strict=True)]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj if self.rank == src else None]

@@ -94,11 +94,14 @@ def test_a_call_travels_as_a_fixed_number_of_integers() -> None:
             ],
         ),
         (
-            [Call.of("rt.all_gather", torch.ones(4)), Call.of("rt.all_gather", torch.ones(5))],
+            [
+                Call.of("rt.all_gather", torch.ones(4, 3)),
+                Call.of("rt.all_gather", torch.ones(5, 2)),
+            ],
             "rt.all_gather with tensors of different shapes",
             [
-                "  rank 0 is in rt.all_gather of a float32 tensor of shape (4,) (collective #0)",
-                "  rank 1 is in rt.all_gather of a float32 tensor of shape (5,) (collective #0)",
+                "  rank 0 is in rt.all_gather of a float32 tensor of shape (N, 3) (collective #0)",
+                "  rank 1 is in rt.all_gather of a float32 tensor of shape (N, 2) (collective #0)",
             ],
         ),
     ],
@@ -110,3 +113,11 @@ def test_the_message_names_the_cause_then_each_ranks_call(
     first, *rest = mismatch_message(calls).splitlines()
     assert headline in first and "--no-collective-check" in first
     assert rest == lines
+
+
+def test_all_gather_lengths_may_differ_between_ranks() -> None:
+    """An evaluation loader's last batch splits unevenly: gathering it is not a mismatch."""
+    calls = [Call.of("rt.all_gather", torch.ones(4, 3)), Call.of("rt.all_gather", torch.ones(3, 3))]
+    assert calls[0].fingerprint() == calls[1].fingerprint()
+    scalars = [Call.of("rt.all_gather", torch.ones(())), Call.of("rt.all_gather", torch.ones(1))]
+    assert scalars[0].fingerprint() != scalars[1].fingerprint()

@@ -47,7 +47,10 @@ def capture_group(
     gradients of the modules among ``state``'s entries. Every process must call it."""
     modules = _modules(state)
     for key, module in modules.items():
-        if model_is_sharded(module):
+        # a group of Runtime(accumulate=N) holds its gradients inside FSDP; one made by hand
+        # (accumulate=1) only where a backward left some on the parameters
+        held = at.accumulate > 1 or any(p.grad is not None for p in module.parameters())
+        if held and model_is_sharded(module):
             raise UserError(
                 f"rt.save: {key!r} is sharded (fsdp) and the save comes after {at.micro_steps} "
                 f"of the {at.accumulate} micro-batches of an accumulation group, whose "
