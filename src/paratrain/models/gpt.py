@@ -8,6 +8,8 @@ the token embedding, positions, final norm and head stay with the root. With a t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -75,10 +77,12 @@ class GPT(nn.Module):
 
 
 class TokenCrossEntropy(nn.Module):
-    """Cross-entropy of every position's next-token logits, averaged over all positions."""
+    """Cross-entropy of every position's next-token logits, averaged over all positions;
+    ``logits`` may be a model's output that holds them (Hugging Face's ``.logits``)."""
 
-    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    def forward(self, logits: Any, targets: Tensor) -> Tensor:
+        scores: Tensor = getattr(logits, "logits", logits)
+        return F.cross_entropy(scores.flatten(0, 1), targets.flatten())
 
 
 def parameter_count(model: nn.Module) -> int:

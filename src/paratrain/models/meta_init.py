@@ -78,6 +78,8 @@ class MetaInit:
                 real = nn.Parameter(real, requires_grad=tensor.requires_grad)
             torch.utils.swap_tensors(tensor, real)
         init_module = getattr(self.model, "init_module", None)
+        if init_module is None:  # Hugging Face's models initialise module by module
+            init_module = getattr(self.model, "_init_weights", None)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.default_generator.manual_seed(module_seed(self.seed, name))
             reset = getattr(module, "reset_parameters", None)

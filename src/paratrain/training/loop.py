@@ -99,7 +99,7 @@ def evaluate(
         most = int(rt.all_reduce(torch.tensor(float(len(loader)), device=rt.device), "max").item())
     with torch.no_grad(), rt.autocast():
         for x, y in loader:
-            output = inner(x).float()
+            output = _scores(inner(x))
             totals[0] += loss_fn(output, y).double() * len(y)
             if classify:
                 totals[1] += (output.argmax(dim=1) == y).sum()
@@ -114,6 +114,13 @@ def evaluate(
     totals = rt.all_reduce(totals, "sum").cpu()
     count = max(totals[2].item(), 1.0)
     return totals[0].item() / count, (totals[1].item() / count if classify else None)
+
+
+def _scores(output: Any) -> torch.Tensor:
+    """The model's scores in float32: its output, or the ``.logits`` of one that holds
+    them (Hugging Face's)."""
+    scores: torch.Tensor = getattr(output, "logits", output)
+    return scores.float()
 
 
 #: called on the main process after each epoch (see ``train``)
@@ -459,6 +466,9 @@ def _finish(rt: Runtime, cfg: TrainConfig, directory: Path, summary: Summary) ->
     """config.json marked finished with the summary (after the final weights)."""
     payload = _config_payload(rt, cfg, "finished")
     payload["summary"] = dataclasses.asdict(summary)
+    hugging_face = get_recipe(cfg.recipe).hugging_face_config
+    if hugging_face is not None:  # RUN/hf/: what from_pretrained loads
+        rundir.write_hugging_face_folder(directory, hugging_face)
     rundir.write_config(directory, payload)
 
 

@@ -5,6 +5,7 @@ a previous run and nothing else: a file or folder matching none of these is the 
     checkpoints/step-NNNNNN/   (paratrain.checkpoints.state.store)
     tensorboard/events.out.tfevents.*   (--tensorboard)
     profile/rankR.*.pt.trace.json   (--profile STEPS)
+    hf/config.json, hf/model.safetensors   (--recipe hf:NAME: what from_pretrained loads)
     model-int8.pt, model-int4.pt   (paratrain export without --out)
     .NAME.XXXXXXXX.tmp   an interrupted atomic write of one of these (paratrain.utils.atomic)
 """
@@ -23,6 +24,7 @@ TIMINGS = "timings.jsonl"
 OWN_FILES = (METRICS, WEIGHTS, CONFIG, TIMINGS)
 TENSORBOARD = "tensorboard"
 PROFILE = "profile"
+HUGGING_FACE = "hf"
 #: the quantizations `paratrain export` writes beside the run's weights by default
 EXPORT_SCHEMES = ("int8", "int4")
 
@@ -30,6 +32,7 @@ EXPORT_SCHEMES = ("int8", "int4")
 _FOLDER_FILES = {
     TENSORBOARD: re.compile(r"events\.out\.tfevents\..+"),
     PROFILE: re.compile(r"rank\d+\.\d+\.pt\.trace\.json(\.gz)?"),
+    HUGGING_FACE: re.compile(r"config\.json|model\.safetensors"),
 }
 
 

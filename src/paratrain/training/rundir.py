@@ -7,6 +7,7 @@ config.json        resolved configuration, devices, versions, status and summary
 checkpoints/       resumable checkpoints, step-NNNNNN/ each (see paratrain.checkpoints.state)
 tensorboard/       TensorBoard event files (--tensorboard)
 profile/           profiler traces (--profile STEPS)
+hf/                config.json and model.safetensors of a Hugging Face recipe (from_pretrained)
 
 Every name paratrain writes there is listed in :mod:`paratrain.training.run_files`.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -26,12 +29,12 @@ import torch
 
 from paratrain.checkpoints.state.store import CHECKPOINTS, full_disk_advice
 from paratrain.training.run_files import CONFIG as CONFIG
+from paratrain.training.run_files import HUGGING_FACE, remove_previous_run
 from paratrain.training.run_files import METRICS as METRICS
 from paratrain.training.run_files import OWN_FILES as OWN_FILES
 from paratrain.training.run_files import TENSORBOARD as TENSORBOARD
 from paratrain.training.run_files import TIMINGS as TIMINGS
 from paratrain.training.run_files import WEIGHTS as WEIGHTS
-from paratrain.training.run_files import remove_previous_run
 from paratrain.utils.atomic import (
     FULL,
     atomic_write,
@@ -44,7 +47,23 @@ from paratrain.version import __version__
 
 
 def default_out(recipe: str) -> Path:
-    return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = recipe.replace("/", "-").replace(":", "-")  # hf:path/to/config.json
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_hugging_face_folder(directory: Path, config: dict[str, Any]) -> Path:
+    """``directory/hf``: the model's config.json and its final weights (a hard link to the
+    run's, a copy where links are not possible), as ``save_pretrained`` lays them out."""
+    folder = directory / HUGGING_FACE
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    weights = folder / WEIGHTS
+    weights.unlink(missing_ok=True)
+    try:
+        os.link(directory / WEIGHTS, weights)
+    except OSError:
+        shutil.copyfile(directory / WEIGHTS, weights)
+    return folder
 
 
 def read_status(directory: Path) -> str | None:

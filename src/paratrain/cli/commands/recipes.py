@@ -31,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
         default = " (default)" if name == DEFAULT_RECIPE else ""
         print(f"{name}{default}: {recipe.description}")
         print(f"    epochs {recipe.epochs}, batch size {recipe.batch_size}, lr {recipe.lr}")
+    print(
+        "hf:CONFIG: a Hugging Face Transformers causal language model from a config.json (or "
+        "its folder, or a model type such as gpt2), on a seeded token language; "
+        "needs paratrain[hf]"
+    )
     return 0
 
 

@@ -40,7 +40,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     """The options every command that trains a recipe shares; the runtime's are checked
     against their declarations (paratrain.runtime.config) by tests/test_config_agreement.py,
     and those declared with their argparse form are generated from them."""
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"one of: {', '.join(RECIPES)}")
+    p.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help=f"one of: {', '.join(RECIPES)}, or hf:CONFIG (a Hugging Face config.json, its "
+        "folder, or a model type such as gpt2)",
+    )
     p.add_argument("--strategy", default="auto", help=_strategy_help())
     p.add_argument("--devices", help="a count (2) or a list (0,1 / cuda:0,cuda:1 / cpu,cpu)")
     p.add_argument("--epochs", type=int, help="default: the recipe's")
