@@ -146,6 +146,9 @@ class RuntimeSetup:
         # wrapped where a step may apply no gradient: then a scheduler must not advance
         skips = rt.nonfinite.policy == "skip"
         if rt.precision.scaler is None and rt.state.accumulate == 1 and not skips:
+            # left as it is; its steps still end a group a loop makes by hand (rt.save)
+            state = rt.state
+            optimizer.register_step_post_hook(lambda *_: state.applied())
             return optimizer
         warn = warn_once_on_main(rt.strategy.collective.is_main)
         return RuntimeOptimizer(optimizer, rt.precision, rt.state, warn)  # type: ignore[return-value]
