@@ -7,7 +7,9 @@ Builds scripts of the given sizes (KB) by concatenating the real public scripts 
 program with thousands of functions, classes, loaders and saves), then times
 ``paratrain.tools.doctor.diagnose`` on each: median of ``--repeats`` runs, CPU time of this process
 (wall time on a busy machine says more about the neighbours than about doctor), and the
-findings. Also reads a 200,000-term expression, which must fail with one line.
+findings. Then a script of ``--loaders`` DataLoaders, each with its DistributedSampler
+(about 100 bytes a loader: 2,000 make 200 KB), where a rule that compares every loader with
+every sampler shows. Also reads a 200,000-term expression, which must fail with one line.
 """
 
 from __future__ import annotations
@@ -41,6 +43,39 @@ def build(size: int) -> str:
     return "\n".join(parts)
 
 
+def loaders(count: int) -> str:
+    """A DDP script of ``count`` loaders, each with its own DistributedSampler."""
+    head = (
+        "import torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader, DistributedSampler\n"
+        "from torchvision import datasets\n"
+        "dist.init_process_group('nccl')\n"
+        "data = datasets.MNIST('data')\n"
+    )
+    one = (
+        "s{i} = DistributedSampler(data)\n"
+        "loader{i} = DataLoader(data, batch_size=64, sampler=s{i})\n"
+    )
+    return head + "".join(one.format(i=i) for i in range(count)) + "x = data[0].cuda()\n"
+
+
+def evaluations(count: int) -> str:
+    """``count`` evaluation loaders, each handed to an evaluation function (the rules that
+    follow a loader into a function, once per loader)."""
+    head = (
+        "import torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader, DistributedSampler\n"
+        "def evaluate(model, loader):\n    return [model(x) for x in loader]\n"
+        "dist.init_process_group('nccl')\n"
+    )
+    one = (
+        "val_sampler{i} = DistributedSampler(val_set, shuffle=False)\n"
+        "val_loader{i} = DataLoader(val_set, sampler=val_sampler{i})\n"
+        "evaluate(model, val_loader{i})\n"
+    )
+    return head + "".join(one.format(i=i) for i in range(count))
+
+
 def measure(path: Path, repeats: int) -> tuple[float, float, int]:
     cpu, wall, findings = [], [], 0
     for _ in range(repeats):
@@ -55,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="50,100,200,1000,5000", help="KB, comma-separated")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--loaders", type=int, default=2000, help="loaders in one script")
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}"
@@ -66,6 +102,22 @@ def main() -> None:
             path.write_text(build(kb * 1000), encoding="utf-8")
             cpu, wall, findings = measure(path, args.repeats)
             print(f"{kb:>6}KB {cpu:>8.2f} {wall:>8.2f} {findings:>9}")
+        many = Path(folder) / "loaders.py"
+        many.write_text(loaders(args.loaders), encoding="utf-8")
+        cpu, wall, findings = measure(many, args.repeats)
+        size = many.stat().st_size // 1000
+        print(
+            f"{args.loaders} loaders ({size} KB): {cpu:.2f} s cpu, {wall:.2f} s wall, "
+            f"{findings} findings"
+        )
+        evaluated = Path(folder) / "evaluations.py"
+        evaluated.write_text(evaluations(args.loaders), encoding="utf-8")
+        cpu, wall, findings = measure(evaluated, args.repeats)
+        size = evaluated.stat().st_size // 1000
+        print(
+            f"{args.loaders} evaluation loaders ({size} KB): {cpu:.2f} s cpu, {wall:.2f} s "
+            f"wall, {findings} findings"
+        )
         deep = Path(folder) / "deep.py"
         deep.write_text("x = " + "+".join(["1"] * 200_000) + "\n", encoding="utf-8")
         started = time.process_time()

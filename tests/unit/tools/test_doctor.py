@@ -329,7 +329,7 @@ CASES: list[tuple[str, str, list[str]]] = [
             import torch.distributed as dist
             dist.init_process_group("gloo", init_method="env://")
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}")
-            dist.init_process_group("gloo", init_method="tcp://10.0.0.1:23456")
+            dist.init_process_group("gloo", init_method="tcp://node0.cluster:23456")
             os.environ["MASTER_PORT"] = str(free_port())
             """,
         ],
@@ -608,6 +608,99 @@ CASES: list[tuple[str, str, list[str]]] = [
             """,
         ],
     ),
+    (
+        "rank-as-device",
+        """
+        import os
+        import torch
+        import torch.distributed as dist
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(rank)  # expect: rank-as-device
+        """,
+        [
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            local_rank = int(os.environ["LOCAL_RANK"])
+            dist.init_process_group("nccl")
+            torch.cuda.set_device(local_rank)
+            """,
+            """
+            import os
+            import torch
+            import torch.distributed as dist
+            rank = int(os.environ["RANK"])
+            dist.init_process_group("nccl")
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            """,
+            """
+            import torch
+            import torch.multiprocessing as mp
+            def main(rank):
+                torch.cuda.set_device(rank)
+            if __name__ == "__main__":
+                mp.spawn(main, nprocs=2)
+            """,
+        ],
+    ),
+    (
+        "lan-address",
+        """
+        import argparse
+        import os
+        import torch.distributed as dist
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--dist-url", default="tcp://192.168.1.10:23456")  # expect: lan-address
+        os.environ["MASTER_ADDR"] = "10.0.0.5"  # expect: lan-address
+        """,
+        [
+            """
+            import argparse
+            import os
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--dist-url", default="env://")
+            parser.add_argument("--lr", default="0.1")
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ.setdefault("MASTER_ADDR", "localhost")
+            """,
+        ],
+    ),
+    (
+        "grad-allreduce-after-ddp",
+        """
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("nccl")
+        model = DDP(net)
+        loss = model(x).sum()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # expect: grad-allreduce-after-ddp
+        """,
+        [
+            """
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            loss = net(x).sum()
+            loss.backward()
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+            """,
+            """
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            dist.init_process_group("nccl")
+            model = DDP(net)
+            with model.no_sync():
+                model(x).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            """,
+        ],
+    ),
 ]
 
 
@@ -700,6 +793,74 @@ SHAPES: dict[str, str] = {
             trainer.train(make_loader())
         if __name__ == "__main__":
             main()
+        """,
+    "a validation loss of one shard steps the scheduler": """
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler
+        dist.init_process_group("gloo")
+        sampler = DistributedSampler(val_set)  # expect: eval-distributed-sampler
+        val_loader = DataLoader(val_set, sampler=sampler, batch_size=8)
+        def validate(model, best):
+            val_loss = 0.0
+            for x, y in val_loader:
+                val_loss += loss_fn(model(x), y).item()
+            scheduler.step(val_loss)  # expect: metric-without-reduce
+            return val_loss
+        """,
+    "the best model chosen on one shard's validation loss": """
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler
+        dist.init_process_group("gloo")
+        def validate(model, best):
+            sampler = DistributedSampler(val_set, shuffle=False, drop_last=True)
+            val_loader = DataLoader(val_set, sampler=sampler)
+            val_loss = 0.0
+            for x, y in val_loader:
+                val_loss += loss_fn(model(x), y).item()
+            if val_loss < best:  # expect: metric-without-reduce
+                best = val_loss
+            return best
+        """,
+    "gradients averaged by a helper after DDP averaged them": """
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        def average_gradients(model):
+            size = float(dist.get_world_size())
+            for param in model.parameters():
+                dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
+                param.grad.data /= size
+        dist.init_process_group("gloo")
+        ddp_model = DDP(model)
+        ddp_model(x).sum().backward()
+        average_gradients(ddp_model)  # expect: grad-allreduce-after-ddp
+        average_gradients(other_model)
+        """,
+    "set_epoch given a value that never changes": """
+        from torch.utils.data import DataLoader, DistributedSampler
+        sampler = DistributedSampler(train_set)
+        loader = DataLoader(train_set, sampler=sampler)
+        start = 0
+        for epoch in range(3):
+            sampler.set_epoch(start)  # expect: set-epoch
+            for x in loader:
+                pass
+        """,
+    "set_epoch of the epoch, a parameter, or a counter: no finding": """
+        from torch.utils.data import DistributedSampler
+        sampler = DistributedSampler(train_set)
+        def one_epoch(epoch):
+            sampler.set_epoch(epoch)
+        step = 0
+        for _ in range(3):
+            step += 1
+            sampler.set_epoch(step)
+        """,
+    "an Accelerator built in a conditional expression still prepares padded loaders": """
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=True) if args.cpu else Accelerator(mixed_precision="bf16")
+        model, eval_loader = accelerator.prepare(model, eval_loader)  # expect: eval-padded-loader
+        for batch in eval_loader:
+            preds = accelerator.gather(model(batch))
         """,
     "paratrain evaluation loader: each sample once, but each process sums its share": """
         import paratrain
@@ -810,3 +971,20 @@ def test_bad_input_is_one_line_and_exit_2(
     assert main(["doctor", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("paratrain: error:")
+
+
+def test_an_fsdp_save_is_not_told_to_move_under_a_rank_guard() -> None:
+    """FSDP's state_dict() is a collective: "do it on rank 0 only" would hang the others."""
+    source = textwrap.dedent(
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        dist.init_process_group("nccl")
+        model = FSDP(net)
+        torch.save(model.state_dict(), "model.pt")
+        """
+    )
+    (finding,) = diagnose_source(source).findings
+    assert finding.rule == "unguarded-output"
+    assert not finding.fix.startswith("do it on rank 0") and "must call it" in finding.fix

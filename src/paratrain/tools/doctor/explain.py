@@ -5,11 +5,26 @@ from __future__ import annotations
 from paratrain.tools.doctor.rules import RULES
 from paratrain.utils.errors import UserError
 
+#: what the examples take as imported (each example, after these, shows its rule's mistake)
+IMPORTS = """\
+import os
+import torch
+from lightning.fabric import Fabric
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import SGD
+from torch.utils.data import DataLoader
+from torchvision import datasets
+"""
+
 #: rule -> (why, example, fix)
 _EXPLAINED: dict[str, tuple[str, str, str]] = {
     "set-epoch": (
         "DistributedSampler seeds its shuffle with the epoch it was told; without set_epoch "
         "every epoch visits the data in the same order.",
+        "from torch.utils.data import DistributedSampler\n"
         "sampler = DistributedSampler(data)\nfor epoch in range(10):\n    for x, y in loader: ...",
         "sampler.set_epoch(epoch) at the start of each epoch; rt.setup_loader does it itself.",
     ),
@@ -22,6 +37,7 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
     "eval-distributed-sampler": (
         "DistributedSampler pads the data so that every process gets as many samples: "
         "metrics over it count the padded duplicates.",
+        "from torch.utils.data import DistributedSampler\n"
         "val = DataLoader(test_set, sampler=DistributedSampler(test_set, shuffle=False))",
         "rt.setup_loader(loader, evaluation=True) (each sample once), drop_last=True with the "
         "tail evaluated apart, or evaluate on rank 0 alone.",
@@ -30,7 +46,7 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
         "Fabric's setup_dataloaders and Accelerate's prepare shard loaders with padding; "
         "Accelerate's gather_for_metrics drops the duplicates, gather and Fabric's "
         "all_gather keep them.",
-        "train, test = fabric.setup_dataloaders(train, test)\n"
+        "fabric = Fabric()\ntrain, test = fabric.setup_dataloaders(train, test)\n"
         "loss = fabric.all_gather(loss).sum() / len(test.dataset)",
         "accelerator.gather_for_metrics; Fabric: use_distributed_sampler=False with a sampler "
         "that does not pad; paratrain: rt.setup_loader(loader, evaluation=True).",
@@ -44,8 +60,10 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
     "rank-guard-flag": (
         "A guard such as `not args.multiprocessing_distributed or rank % ngpus == 0` holds on "
         "every process when the flag is false, which it is under torchrun: every rank saves.",
+        "if args.multiprocessing_distributed:\n    mp.spawn(main_worker, nprocs=ngpus_per_node)\n"
+        "...\n"
         "if not args.multiprocessing_distributed or args.rank % ngpus_per_node == 0:\n"
-        "    save_checkpoint(state)",
+        "    torch.save(state, 'checkpoint.pth')",
         "test the rank itself: if dist.get_rank() == 0; paratrain: rt.save writes once.",
     ),
     "create-then-move": (
@@ -63,13 +81,13 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
     "dataparallel-on-cpu": (
         "nn.DataParallel needs its module's parameters on device_ids[0]; around a CPU model "
         "it fails with GPUs and runs nothing in parallel without.",
-        "model = nn.DataParallel(Net())",
+        "model = Net()\nmodel = nn.DataParallel(model)",
         "nn.DataParallel(Net().to('cuda')); Runtime(strategy='dp').setup(model).",
     ),
     "wrapped-state-dict": (
         "DDP and DataParallel keep the model as .module: every key of the wrapper's "
         "state_dict() starts with 'module.', and a bare model cannot load it (KeyError).",
-        "model = DDP(model)\nsave_checkpoint({'state_dict': model.state_dict()})",
+        "model = DDP(model)\ntorch.save({'state_dict': model.state_dict()}, 'ckpt.pt')",
         "save model.module.state_dict(); paratrain's rt.save and load_weights need no prefix.",
     ),
     "compiled-state-dict": (
@@ -81,7 +99,8 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
     "sync-every-step": (
         "loss.item(), .cpu() or printing a tensor makes the host wait for the device: once "
         "per step, the GPU idles while Python catches up.",
-        "for x, y in loader:\n    ...\n    total += loss.item()",
+        "for x, y in loader:\n    loss = model(x.cuda()).sum()\n    loss.backward()\n"
+        "    total += loss.item()",
         "total += loss.detach(); read it every N steps or once per epoch.",
     ),
     "spawn-without-main-guard": (
@@ -99,13 +118,13 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
     "local-rank-as-rank": (
         "init_process_group's rank is the global rank; the local rank repeats on every "
         "machine, so on two machines two processes claim each rank.",
-        'init_process_group("nccl", rank=int(os.environ["LOCAL_RANK"]))',
+        'dist.init_process_group("nccl", rank=int(os.environ["LOCAL_RANK"]))',
         "rank=int(os.environ['RANK']) (torchrun sets it), or node_rank * per_node + local.",
     ),
     "loader-workers": (
         "With num_workers=0 the training process reads and decodes every batch while the "
         "GPU waits.",
-        "DataLoader(datasets.ImageFolder(root), batch_size=64)",
+        "DataLoader(datasets.ImageFolder(root), batch_size=64, pin_memory=True)",
         "num_workers=4 (a few per GPU); `paratrain bench loader` measures the best setting.",
     ),
     "loader-pin-memory": (
@@ -118,21 +137,47 @@ _EXPLAINED: dict[str, tuple[str, str, str]] = {
         "A collective (all_reduce, barrier, broadcast, rt.save, fabric.save, "
         "accelerator.gather...) returns only when every process made it; under a rank-0 guard "
         "the others never do, and the run hangs.",
-        "if rank == 0:\n    dist.all_reduce(total)\n    print(total)",
+        'dist.init_process_group("nccl")\nif rank == 0:\n    dist.all_reduce(total)\n'
+        "    print(total)",
         "make the collective on every process, and guard only what follows it.",
     ),
     "metric-without-reduce": (
         "Under a sharding sampler each process sees 1/N of the data: counters summed in its "
         "loop are partial, and printing them shows one shard's figure as the whole.",
+        'dist.init_process_group("nccl")\nfrom torch.utils.data import DistributedSampler\n'
+        "test_loader = DataLoader(test_set, sampler=DistributedSampler(test_set))\n"
         "for x, y in test_loader:\n    correct += (model(x).argmax(1) == y).sum().item()\n"
         "print(correct / len(test_loader.dataset))",
         "dist.all_reduce the counters first (hvd.allreduce, accelerator.gather_for_metrics, "
         "rt.all_reduce with rt.setup_loader(loader, evaluation=True)).",
     ),
+    "rank-as-device": (
+        "RANK counts every process of every machine; a machine has LOCAL_RANK's worth of "
+        "GPUs. The global rank as a device index works on one machine and fails on the "
+        "second (invalid device ordinal).",
+        'rank = int(os.environ["RANK"])\nlocal_rank = int(os.environ["LOCAL_RANK"])\n'
+        "torch.cuda.set_device(rank)",
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])); paratrain sets the device itself.",
+    ),
+    "lan-address": (
+        "An address such as 192.168.1.10 is one machine on one network: written as the "
+        "rendezvous (or its default), the run waits for it anywhere else.",
+        'os.environ["MASTER_ADDR"] = "192.168.1.10"',
+        "take it from the launcher (torchrun sets MASTER_ADDR), default to 127.0.0.1.",
+    ),
+    "grad-allreduce-after-ddp": (
+        "DistributedDataParallel averages the gradients during backward(); all-reducing "
+        "each p.grad again costs a second round of communication, and a sum makes them N "
+        "times too large.",
+        "model = DDP(model)\nloss.backward()\nfor p in model.parameters():\n"
+        "    dist.all_reduce(p.grad)",
+        "drop the loop: DDP has done it.",
+    ),
     "clip-before-unscale": (
         "GradScaler multiplies the loss, so gradients are scaled (65536 at first) until "
         "unscale_: clipping before compares the threshold with scaled norms.",
-        "scaler.scale(loss).backward()\nclip_grad_norm_(model.parameters(), 1.0)",
+        "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()\n"
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
         "scaler.unscale_(optimizer) before clipping (paratrain: optimizer.unscale_gradients()).",
     ),
 }
@@ -148,6 +193,11 @@ def explain(rule_id: str) -> str:
     fixed = "\n".join("    " + line for line in fix.splitlines())
     head = f"{rule_id}: {rules[rule_id].summary}"
     return f"{head}\n\nWhy: {why}\n\nExample:\n{indented}\n\nFix:\n{fixed}"
+
+
+def example(rule_id: str) -> str:
+    """The example of ``rule_id``'s mistake, as a script (``IMPORTS`` first)."""
+    return IMPORTS + _EXPLAINED[rule_id][1]
 
 
 def explained() -> set[str]:

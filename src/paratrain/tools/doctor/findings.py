@@ -15,12 +15,18 @@ class Finding:
     rule: str
     message: str
     fix: str
+    #: False when what decides it is out of doctor's sight: shown with ``--all`` only
+    sure: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        found = asdict(self)
+        if self.sure:  # "sure": false marks the others (--all)
+            del found["sure"]
+        return found
 
     def text(self) -> str:
-        return f"{self.file}:{self.line}: [{self.rule}] {self.message}\n    fix: {self.fix}"
+        rule = self.rule if self.sure else f"{self.rule}, unsure"
+        return f"{self.file}:{self.line}: [{rule}] {self.message}\n    fix: {self.fix}"
 
 
 @dataclass(frozen=True)
@@ -35,14 +41,24 @@ class Style:
 
 @dataclass
 class Diagnosis:
+    """What doctor says of one script: ``findings`` it is sure of, and ``unsure`` ones
+    (what decides them is out of its sight: shown with ``--all``)."""
+
     path: str
     style: Style
     findings: list[Finding] = field(default_factory=list)
+    unsure: list[Finding] = field(default_factory=list)
+    #: an entry script (a ``__main__`` guard, a launcher, a process group), not a module
+    entry: bool = True
 
-    def to_dict(self) -> dict[str, Any]:
+    def shown(self, every: bool = False) -> list[Finding]:
+        return sorted([*self.findings, *self.unsure]) if every else self.findings
+
+    def to_dict(self, every: bool = False) -> dict[str, Any]:
         return {
             "path": self.path,
             "style": self.style.name,
             "migration": self.style.section,
-            "findings": [f.to_dict() for f in self.findings],
+            "entry": self.entry,
+            "findings": [f.to_dict() for f in self.shown(every)],
         }

@@ -56,10 +56,13 @@ def import_table(imports: Iterable[ast.Import | ast.ImportFrom]) -> dict[str, st
                 else:  # `import torch.distributed` binds `torch`
                     top = alias.name.split(".")[0]
                     table[top] = top
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            # `from .utils import setup` -> ".utils.setup": a local module, never a library's
+            module = "." * node.level + (node.module or "")
+            dot = "" if module.endswith(".") else "."
             for alias in node.names:
                 if alias.name != "*":
-                    table[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                    table[alias.asname or alias.name] = f"{module}{dot}{alias.name}"
     return table
 
 

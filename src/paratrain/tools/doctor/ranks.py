@@ -33,10 +33,33 @@ _RANK_WORDS = re.compile(r"rank|master|main|zero|primary|leader|chief|gpu", re.I
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
 #: launchers that start a function in new processes, besides mp.spawn and rt.launch
 _RUNNERS = ("horovod.run", "horovod.torch.run")
+_PROCESSES = ("multiprocessing.Process", "torch.multiprocessing.Process")
+#: calls that make a script one of several processes, besides DDP and the launchers
+STARTERS = (
+    INIT_PROCESS_GROUP,
+    "torch.distributed.device_mesh.init_device_mesh",
+    "torch.distributed.fsdp.FullyShardedDataParallel",
+    "torch.distributed.fsdp.fully_shard",
+    "torch.distributed._composable.fsdp.fully_shard",
+    "deepspeed.initialize",
+    "deepspeed.init_distributed",
+    "timm.utils.init_distributed_device",
+    "timm.utils.distributed.init_distributed_device",
+)
+
+
+#: environment variables that hold a rank (``int(os.environ.get("RANK", 0)) == 0``)
+_RANK_VARIABLES = {"RANK", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}
 
 
 def mentions_rank(node: ast.AST) -> bool:
-    return any(_RANK_WORDS.search(name) for name in identifiers(node))
+    if any(_RANK_WORDS.search(name) for name in identifiers(node)):
+        return True
+    return any(
+        isinstance(n, ast.Constant) and n.value in _RANK_VARIABLES
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    )
 
 
 def _exits(statements: list[ast.stmt]) -> bool:
@@ -97,9 +120,11 @@ def lexically_guarded(script: Script, node: ast.AST) -> bool:
 
 
 def launcher_calls(script: Script) -> list[ast.Call]:
-    """``mp.spawn(fn)``, ``horovod.run(fn)``, ``rt.launch(fn)`` of a paratrain Runtime."""
+    """``mp.spawn(fn)``, ``horovod.run(fn)``, ``rt.launch(fn)`` of a paratrain Runtime,
+    ``multiprocessing.Process(target=fn)``."""
     runtimes = script.instances(RUNTIME)
     calls = [*script.calls(*SPAWN), *script.calls(*_RUNNERS)]
+    calls += [c for c in script.calls(*_PROCESSES) if _target(c) is not None]
     for call in script.method_calls("launch"):
         if not isinstance(call.func, ast.Attribute):
             continue
@@ -117,15 +142,39 @@ def spawn_targets(script: Script) -> set[str] | None:
     calls = launcher_calls(script)
     if not calls:
         return None
-    return {c.args[0].id for c in calls if c.args and isinstance(c.args[0], ast.Name)}
+    targets = {c.args[0].id for c in calls if c.args and isinstance(c.args[0], ast.Name)}
+    started = {t for c in calls if (t := _target(c)) is not None}
+    # Processes started with different functions play roles (a parameter server and its
+    # trainers): none of them is "every process"
+    return targets | (started if len(started) == 1 else set())
+
+
+def _target(call: ast.Call) -> str | None:
+    """``Process(target=train)``: the function the new process runs."""
+    target = next((k.value for k in call.keywords if k.arg == "target"), None)
+    return target.id if isinstance(target, ast.Name) else None
 
 
 def multi_process(script: Script) -> bool:
-    """The script runs as several processes: it launches them, or is one of them."""
-    if spawn_targets(script) is not None or script.uses("horovod"):
-        return True
-    started = (INIT_PROCESS_GROUP, DDP, *SPAWN, ACCELERATOR, FABRIC)
-    return any(True for _ in script.calls(*started))
+    """The script runs as several processes: it launches them, or is one of them, or a
+    local module it imports starts a process group (``utils.init_distributed_mode(args)``,
+    ``from utils import setup``)."""
+    if "multi_process" not in script.memo:
+        script.memo["multi_process"] = (
+            spawn_targets(script) is not None
+            or script.uses("horovod")
+            or script.uses("deepspeed")
+            or starts_group(script)
+        )
+    found: bool = script.memo["multi_process"]
+    return found
+
+
+def starts_group(script: Script) -> bool:
+    """The script, or a local module it imports, starts a process group or wraps a model
+    for several processes (DDP, FSDP, Accelerate, Fabric, DeepSpeed...)."""
+    started = (*STARTERS, DDP, *SPAWN, ACCELERATOR, FABRIC)
+    return any(any(True for _ in module.calls(*started)) for module in script.modules)
 
 
 class EveryRank:
@@ -227,3 +276,26 @@ class EveryRank:
             and not lexically_guarded(self.script, node)
             and not self.in_launcher(node)
         )
+
+
+def is_entry(script: Script) -> bool:
+    """A script that is run, not a module that is imported: a ``__main__`` guard, or code
+    at its top level that does something (a loop, a launcher, a process group)."""
+    for test in script.nodes(ast.Compare):
+        sides = [test.left, *test.comparators]
+        if any(isinstance(n, ast.Name) and n.id == "__name__" for n in sides) and any(
+            isinstance(n, ast.Constant) and n.value == "__main__" for n in sides
+        ):
+            return True
+    # a script without a guard: a loop or a call at its top level (a launcher, a process
+    # group...); a module of helpers only defines them
+    return any(
+        isinstance(s, (*_TOP_LOOPS, ast.Expr)) and not _docstring(s) for s in script.tree.body
+    )
+
+
+_TOP_LOOPS = (ast.For, ast.AsyncFor, ast.While, ast.With)
+
+
+def _docstring(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)

@@ -44,6 +44,12 @@ class Script:
     order: list[ast.AST] = field(default_factory=list)
     #: what rules compute once per script and share (rule family -> its results)
     memo: dict[str, Any] = field(default_factory=dict)
+    #: the local modules it imports, read (``doctor.project``): full dotted name -> module
+    local: dict[str, Script] = field(default_factory=dict)
+    #: the local modules it star-imports (``from utils import *``)
+    star: list[Script] = field(default_factory=list)
+    #: itself, then every local module it reaches through imports
+    modules: list[Script] = field(default_factory=list)
 
     @classmethod
     def read(cls, path: str | Path) -> Script:
@@ -83,6 +89,7 @@ class Script:
                 *script.nodes(ast.ImportFrom),
             ]
             script.imports = import_table(sorted(imports, key=_position))
+            script.modules = [script]
         finally:
             if enabled:
                 gc.enable()
@@ -181,14 +188,16 @@ class Script:
         return self._assigned_in.get((id(scope), name), [])
 
     def instances(self, *classes: str) -> set[str]:
-        """Names assigned from a call of one of ``classes`` (full names)."""
-        return {
-            name
-            for call in self.calls(*classes)
-            if isinstance(parent := self.parents.get(call), ast.Assign)
-            for t in parent.targets
-            if (name := dotted(t)) is not None
-        }
+        """Names assigned from a call of one of ``classes`` (full names), in either branch
+        of a conditional expression too (``Accelerator(...) if cpu else Accelerator()``)."""
+        found: set[str] = set()
+        for call in self.calls(*classes):
+            parent = self.parents.get(call)
+            while isinstance(parent, ast.IfExp):
+                parent = self.parents.get(parent)
+            if isinstance(parent, ast.Assign):
+                found.update(name for t in parent.targets if (name := dotted(t)) is not None)
+        return found
 
     # -- where a node is ---------------------------------------------------------------------
     def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:

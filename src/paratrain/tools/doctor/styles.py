@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from paratrain.tools.doctor.findings import Style
-from paratrain.tools.doctor.names import DATA_PARALLEL, DDP, INIT_PROCESS_GROUP, SPAWN
+from paratrain.tools.doctor.names import DATA_PARALLEL
+from paratrain.tools.doctor.ranks import starts_group
 from paratrain.tools.doctor.script import Script
 
 PORTING = "docs/porting.md"
@@ -17,8 +18,19 @@ HOROVOD = Style("horovod", "a Horovod script", f'{PORTING}, "From Horovod"')
 DDP_SCRIPT = Style(
     "ddp", "a DistributedDataParallel script", f'{PORTING}, "From DistributedDataParallel"'
 )
+FSDP = Style("fsdp", "an FSDP / tensor-parallel script", "docs/strategies/fsdp.md")
+DEEPSPEED = Style("deepspeed", "a DeepSpeed script", f'{PORTING}, "From DistributedDataParallel"')
 DATAPARALLEL = Style("dataparallel", "an nn.DataParallel script", f'{PORTING}, "From DataParallel"')
 PLAIN = Style("plain", "a plain PyTorch loop", f'{PORTING}, "From a plain loop"')
+
+
+#: modules of sharded and tensor-parallel training
+_SHARDING = (
+    "torch.distributed.fsdp",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.device_mesh",
+)
 
 
 def detect(script: Script) -> Style:
@@ -31,8 +43,12 @@ def detect(script: Script) -> Style:
         return FABRIC
     if script.uses("horovod"):
         return HOROVOD
-    if any(True for _ in script.calls(DDP, INIT_PROCESS_GROUP, *SPAWN)):
-        return DDP_SCRIPT
+    if script.uses("deepspeed"):
+        return DEEPSPEED
+    if any(script.uses(m) for m in _SHARDING):
+        return FSDP
+    if starts_group(script):
+        return DDP_SCRIPT  # processes started here, or by a local module it imports
     if any(True for _ in script.calls(DATA_PARALLEL)):
         return DATAPARALLEL
     return PLAIN

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from paratrain.tools.doctor.rules import (
     checkpoints,
+    gradients,
     launching,
     loading,
+    multinode,
     numerics,
     output,
     placement,
@@ -25,6 +27,8 @@ RULES: tuple[Rule, ...] = (
     *loading.RULES,
     *processes.RULES,
     *numerics.RULES,
+    *multinode.RULES,
+    *gradients.RULES,
 )
 
 __all__ = ["RULES", "Rule"]

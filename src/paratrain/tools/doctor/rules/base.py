@@ -17,6 +17,8 @@ class Hit:
     node: ast.AST
     message: str
     fix: str
+    #: False when what decides it is out of doctor's sight (shown with --all only)
+    sure: bool = True
 
 
 Check = Callable[[Script], Iterable[Hit]]
@@ -30,6 +32,13 @@ class Rule:
 
     def run(self, script: Script) -> list[Finding]:
         return [
-            Finding(script.path, getattr(hit.node, "lineno", 0), self.id, hit.message, hit.fix)
+            Finding(
+                script.path,
+                getattr(hit.node, "lineno", 0),
+                self.id,
+                hit.message,
+                hit.fix,
+                hit.sure,
+            )
             for hit in self.check(script)
         ]

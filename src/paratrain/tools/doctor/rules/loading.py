@@ -57,13 +57,15 @@ def _helper_loaders(script: Script) -> set[int]:
 
 
 def _cuda_loaders(script: Script, pinning: bool) -> Iterator[ast.Call]:
-    """Loaders feeding CUDA. A TensorDataset's batches are slices of tensors already in
-    memory: worker processes do not speed them up, but pinning them does (when they are
+    """Loaders feeding CUDA: the script names CUDA, or the loader pins its batches (pinned
+    memory is for copies to a GPU). A TensorDataset's batches are slices of tensors already
+    in memory: worker processes do not speed them up, but pinning them does (when they are
     plain CPU tensors built here)."""
-    if not uses_cuda(script):
-        return
+    cuda = uses_cuda(script)
     for loader in script.calls(DATA_LOADER):
         if has_kwargs_splat(loader):
+            continue
+        if not cuda and not _is_constant(keyword(loader, "pin_memory", 7), True):
             continue
         dataset = _tensor_dataset(script, keyword(loader, "dataset", 0))
         if dataset is not None and (not pinning or _on_device(script, dataset)):

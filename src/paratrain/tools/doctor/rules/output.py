@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from paratrain.tools.doctor import styles
 from paratrain.tools.doctor.names import TORCH_SAVE, dotted
+from paratrain.tools.doctor.project import imported, imported_class
 from paratrain.tools.doctor.ranks import (
     EveryRank,
     guard_of,
@@ -17,7 +18,7 @@ from paratrain.tools.doctor.ranks import (
 )
 from paratrain.tools.doctor.rules.base import Hit, Rule
 from paratrain.tools.doctor.rules.checkpoints import saves
-from paratrain.tools.doctor.script import FUNCTIONS, Script
+from paratrain.tools.doctor.script import FUNCTIONS, Function, Script, keyword
 
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 
@@ -48,10 +49,13 @@ def _logging_per_rank(script: Script) -> bool:
 
 
 def _print_replaced(script: Script) -> bool:
-    """``builtins.print = ...`` (seed 004's setup_for_distributed): print is already rank-aware."""
+    """``builtins.print = ...`` (the ``setup_for_distributed`` of torchvision's references,
+    DINO, DeiT, seed 004), here or in a local module the script imports: print is already
+    rank-aware."""
     return any(
         any(isinstance(t, ast.Attribute) and t.attr == "print" for t in node.targets)
-        for node in script.nodes(ast.Assign)
+        for module in script.modules
+        for node in module.nodes(ast.Assign)
     )
 
 
@@ -60,10 +64,15 @@ def _kind(
 ) -> str | None:
     func = call.func
     if isinstance(func, ast.Name) and func.id == "print" and "print" not in script.imports:
-        return "print" if prints else None
+        # `force=True` is a keyword only a replaced, rank-aware print takes: every rank, on purpose
+        forced = any(k.arg == "force" for k in call.keywords)
+        return "print" if prints and not forced else None
     full = script.full_name(func)
     if full == TORCH_SAVE:
         return "torch.save"
+    if isinstance(func, ast.Attribute) and func.attr == "save_pretrained":
+        # Transformers' save_pretrained(..., is_main_process=...) writes on one process
+        return None if keyword(call, "is_main_process") is not None else "save_pretrained"
     if not logs or not isinstance(func, ast.Attribute) or func.attr not in _LOG_METHODS:
         return None
     if (full or "").startswith("logging.") or dotted(func.value) in loggers:
@@ -96,18 +105,92 @@ def _unguarded_output(script: Script) -> Iterator[Hit]:
         not _print_replaced(script),
     )
     once = _ONCE.get(styles.detect(script).name, _DEFAULT_ONCE)
+    sharded = any(module.uses(name) for module in script.modules for name in _SHARDED)
+    savers = Savers(script)
     for node in script.nodes(ast.Call):
         kind = _kind(script, node, loggers, logs, prints)
-        if kind is None or not every_rank.unguarded(node):
+        saver = savers.of(node) if kind is None else None
+        if (kind is None and saver is None) or not every_rank.unguarded(node):
             continue
-        if kind != "torch.save" and _names_its_rank(node):
+        if kind in ("print", "logging") and _names_its_rank(node):
             continue  # a line that names its rank is meant to come from every process
-        what = (
-            "torch.save runs on every process: they all write the same file at once"
-            if kind == "torch.save"
-            else f"{kind} runs on every process: each line comes once per process"
-        )
-        yield Hit(node, what, f"do it on rank 0 only: {once}")
+        if saver is not None:
+            what = (
+                f"{ast.unparse(node.func)}() writes with torch.save ({saver}) on every "
+                "process: they all write the same file at once"
+            )
+        elif kind in ("torch.save", "save_pretrained"):
+            what = f"{kind} runs on every process: they all write the same files at once"
+        else:
+            what = f"{kind} runs on every process: each line comes once per process"
+        fix = f"do it on rank 0 only: {once}"
+        if kind != "print" and kind != "logging" and sharded:
+            fix = _SHARDED_SAVE  # under a rank-0 guard, the state_dict() collective would hang
+        yield Hit(node, what, fix)
+
+
+class Savers:
+    """Calls of a local module's function or method that calls torch.save with no rank test
+    of its own (``trainer.save(path)``, ``utils.save_checkpoint(state)``): where they are
+    called on every process, every process writes."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self._classes: dict[str, tuple[Script, ast.ClassDef]] = {}
+        self._saves: dict[int, str | None] = {}
+        for name, values in script.assigned.items():
+            for value, _ in values:
+                full = script.full_name(value.func) if isinstance(value, ast.Call) else None
+                if full is not None and (found := imported_class(script, full)) is not None:
+                    self._classes[name] = found
+
+    def of(self, call: ast.Call) -> str | None:
+        """``file:line`` of the unguarded torch.save that ``call`` runs, if any."""
+        func = call.func
+        found: tuple[Script, Function] | None = None
+        if isinstance(func, ast.Attribute) and (owner := dotted(func.value)) in self._classes:
+            module, cls = self._classes[owner]
+            methods = [f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+            found = next(((module, f) for f in methods if f.name == func.attr), None)
+        elif (full := self.script.full_name(func)) is not None:
+            found = imported(self.script, full)
+        elif isinstance(func, ast.Name) and func.id not in self.script.functions():
+            found = imported(self.script, func.id)  # a name lent by `from utils import *`
+        if found is None:
+            return None
+        if id(found[1]) not in self._saves:  # once per function, however often it is called
+            self._saves[id(found[1])] = self._save_in(*found)
+        return self._saves[id(found[1])]
+
+    @staticmethod
+    def _save_in(module: Script, function: Function) -> str | None:
+        for node in module.own_of(function, ast.Call):
+            if (
+                module.full_name(node.func) == TORCH_SAVE
+                and not lexically_guarded(module, node)
+                and not _in_memory(module, node)
+            ):
+                return f"{module.path}:{node.lineno}"
+        return None
+
+
+def _in_memory(script: Script, save: ast.Call) -> bool:
+    """``torch.save(obj, buffer)`` into an ``io.BytesIO``: nothing is written to a file."""
+    target = keyword(save, "f", 1)
+    values = [target] if target is not None else []
+    if (name := dotted(target) if target is not None else None) is not None:
+        values += [v for v, _ in script.assigned_in(script.scope(save), name)]
+    return any(isinstance(v, ast.Call) and script.full_name(v.func) == "io.BytesIO" for v in values)
+
+
+#: modules whose models keep a shard per process: state_dict() is a collective
+_SHARDED = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp", "deepspeed")
+_SHARDED_SAVE = (
+    "build the state on every process (FSDP's state_dict() gathers the shards: every "
+    "process must call it), then write it on rank 0 only: `state = model.state_dict()`, "
+    "`if dist.get_rank() == 0: torch.save(state, path)`; or torch.distributed.checkpoint."
+    "save, which every process calls and which writes each shard once"
+)
 
 
 RULES = [Rule("unguarded-output", "printing, logging or saving on every rank", _unguarded_output)]

@@ -40,13 +40,24 @@ def _collective_under_guard(script: Script) -> Iterator[Hit]:
     if not multi_process(script):
         return
     collectives = Collectives.of(script)
+    guarded: list[tuple[ast.Call, ast.expr]] = []
+    #: (function, collective) -> the rank tests it is made under, and the branch
+    branches: dict[tuple[int, str], set[tuple[str, bool]]] = {}
     for call in script.nodes(ast.Call):
         if not collectives.is_collective(call):
             continue
         test = guard_of(script, call)
         if test is None or not _rank0_test(test):
             continue
+        guarded.append((call, test))
+        key = (id(script.scope(call)), ast.unparse(call.func))
+        branches.setdefault(key, set()).add((ast.unparse(test), _in_else(script, call, test)))
+    for call, test in guarded:
         what = ast.unparse(call.func)
+        if len(branches[(id(script.scope(call)), what)]) > 1:
+            # `if rank == 0: gather(t, list) else: gather(t)`, or `if rank != 0: barrier()`
+            # then `if rank == 0: barrier()`: every process makes it once
+            continue
         yield Hit(
             call,
             f"{what} is a collective, called under a rank-0 guard ({ast.unparse(test)}): the "
@@ -54,6 +65,12 @@ def _collective_under_guard(script: Script) -> Iterator[Hit]:
             f"call {what} on every process, outside the guard (only the printing or writing "
             "that follows it belongs under the guard; paratrain's rt.save writes once by itself)",
         )
+
+
+def _in_else(script: Script, call: ast.Call, test: ast.expr) -> bool:
+    """Whether ``call`` is in the ``else`` of the ``if`` whose test is ``test``."""
+    branch = script.parents.get(test)
+    return isinstance(branch, ast.If) and script.in_block(call, branch.orelse) is not None
 
 
 def _accumulators(loop: ast.For | ast.AsyncFor) -> set[str]:
@@ -112,18 +129,41 @@ def _metric_without_reduce(script: Script) -> Iterator[Hit]:
         if reduced:
             continue
         for node in after:
-            if isinstance(node, ast.Call) and _outputs(node) and _names(node) & derived:
+            use = _use(node, derived)
+            if use is not None:
                 shown = sorted(_names(node) & derived)[0]
                 yield Hit(
                     node,
                     f"{shown} is summed over this process's share of {sorted(iterated)[0]} "
-                    "only (its sampler splits the data over the processes), then shown as "
-                    "if it were the whole: each process prints its own partial figure",
+                    f"only (its sampler splits the data over the processes), then {use}",
                     "sum it over the processes first (dist.all_reduce(tensor), "
                     "hvd.allreduce, accelerator.gather_for_metrics; paratrain: "
                     "rt.all_reduce(t, 'sum') with rt.setup_loader(loader, evaluation=True))",
                 )
                 break
+
+
+def _use(node: ast.AST, derived: set[str]) -> str | None:
+    """How a partial sum is used as a whole: shown, stepped into a scheduler (each process's
+    learning rate then follows its own shard), or compared to choose the best model."""
+    if isinstance(node, ast.Call) and _names(node) & derived:
+        if _outputs(node):
+            return "shown as if it were the whole: each process prints its own partial figure"
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "step":
+            return (
+                "given to a scheduler as if it were the whole: each process's learning rate "
+                "follows its own shard"
+            )
+    if (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and _names(node.test) & derived
+    ):
+        return (
+            "compared as if it were the whole, to choose the best model: each process "
+            "chooses on its own shard"
+        )
+    return None
 
 
 def _dotted_names(node: ast.AST) -> set[str]:

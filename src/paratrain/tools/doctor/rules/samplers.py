@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 
 from paratrain.tools.doctor.collectives import SHARDING_HELPERS
+from paratrain.tools.doctor.escapes import acknowledged, escapes, evaluated_by_an_evaluator
 from paratrain.tools.doctor.names import (
     ACCELERATOR,
     DATA_LOADER,
@@ -28,9 +29,62 @@ _EVAL_WORDS = {"val", "valid", "validation", "test", "testing", "eval", "evaluat
 _EVAL_FUNCTIONS = re.compile(r"^(eval|valid|test)", re.IGNORECASE)
 
 
+def _fixed_epoch(script: Script) -> Iterator[Hit]:
+    """``sampler.set_epoch(0)``, or ``set_epoch(x)`` of an ``x`` that never changes: every
+    epoch repeats the same shuffle all the same."""
+    for call in script.method_calls("set_epoch"):
+        if len(call.args) != 1 or call.keywords:
+            continue
+        arg, scope = call.args[0], script.scope(call)
+        if isinstance(arg, ast.Name):
+            params = getattr(scope, "args", None)
+            if params is not None and arg.id in {a.arg for a in [*params.args, *params.kwonlyargs]}:
+                continue  # a parameter: each call may pass another epoch
+            values = script.assigned.get(arg.id, [])
+            changes = any(
+                not isinstance(v, ast.Constant) or script.loops_around(s) for v, s in values
+            )
+            if not values or changes or _loop_target(script, arg.id) or _augmented(script, arg.id):
+                continue
+        elif not isinstance(arg, ast.Constant):
+            continue
+        yield Hit(
+            call,
+            f"set_epoch({ast.unparse(arg)}) is given the same value every epoch: the "
+            "sampler repeats the same shuffle",
+            "pass the epoch: for epoch in range(epochs): sampler.set_epoch(epoch)",
+        )
+
+
+def _loop_target(script: Script, name: str) -> bool:
+    if "loop_targets" not in script.memo:
+        loops: list[ast.For | ast.AsyncFor | ast.comprehension] = [
+            *script.nodes(ast.For),
+            *script.nodes(ast.AsyncFor),
+            *script.nodes(ast.comprehension),
+        ]
+        script.memo["loop_targets"] = {
+            n.id for loop in loops for n in ast.walk(loop.target) if isinstance(n, ast.Name)
+        }
+    targets: set[str] = script.memo["loop_targets"]
+    return name in targets
+
+
+def _augmented(script: Script, name: str) -> bool:
+    """``name += ...`` or ``global name`` anywhere: it may change between calls."""
+    if "augmented" not in script.memo:
+        script.memo["augmented"] = {
+            d for n in script.nodes(ast.AugAssign) if (d := dotted(n.target)) is not None
+        } | {name for n in script.nodes(ast.Global) for name in n.names}
+    changed: set[str] = script.memo["augmented"]
+    return name in changed
+
+
 def _set_epoch(script: Script) -> Iterator[Hit]:
-    # Any set_epoch call anywhere (through loader.sampler, a helper...) counts as done.
-    if any(True for _ in script.method_calls("set_epoch")):
+    yield from _fixed_epoch(script)
+    # Any set_epoch call anywhere (through loader.sampler, a helper, a local module the
+    # script imports...) counts as done.
+    if any(any(True for _ in m.method_calls("set_epoch")) for m in script.modules):
         return
     loaders_by_scope = _loaders_by_scope(script)
     for call in script.calls(DISTRIBUTED_SAMPLER):
@@ -174,37 +228,58 @@ def _iterated_without_grad(script: Script, loader: ast.Call, loader_name: str) -
     return False
 
 
-def _loaders_by_scope(script: Script) -> dict[ast.AST, list[ast.Call]]:
-    found: dict[ast.AST, list[ast.Call]] = {}
+#: (scope, what the loader's sampler is: the sampler call's id, or a name it mentions)
+_LoaderIndex = dict[tuple[int, int | str], list[ast.Call]]
+
+
+def _loaders_by_scope(script: Script) -> _LoaderIndex:
+    """Each loader, under its scope and each thing its sampler argument names: one pass, so
+    that finding a sampler's loaders is a look-up (linear in the number of loaders)."""
+    if "loaders_by_sampler" in script.memo:
+        memo: _LoaderIndex = script.memo["loaders_by_sampler"]
+        return memo
+    found: _LoaderIndex = {}
     for loader in script.calls(DATA_LOADER):
-        found.setdefault(script.scope(loader), []).append(loader)
+        scope = id(script.scope(loader))
+        for kw, pos in (("sampler", 3), ("batch_sampler", 4)):
+            if (arg := keyword(loader, kw, pos)) is None:
+                continue
+            keys: set[int | str] = {id(arg), *identifiers(arg)}
+            for key in keys:
+                found.setdefault((scope, key), []).append(loader)
+    script.memo["loaders_by_sampler"] = found
     return found
 
 
-def _evaluation(
-    script: Script, sampler: ast.Call, loaders_by_scope: dict[ast.AST, list[ast.Call]]
-) -> bool:
+def _evaluation(script: Script, sampler: ast.Call, loaders_by_scope: _LoaderIndex) -> bool:
     """Whether the loader this sampler feeds evaluates rather than trains."""
+    return _evaluated(script, sampler, loaders_by_scope) is not None
+
+
+def _evaluated(
+    script: Script, sampler: ast.Call, loaders_by_scope: _LoaderIndex
+) -> set[str] | None:
+    """The names of the evaluation loader this sampler feeds (and of the sampler), or None
+    when it feeds training."""
     sampler_name = _assigned_name(script, sampler)
     names = {sampler_name} if sampler_name else set()
     dataset = keyword(sampler, "dataset", 0)
     if dataset is not None and (d := dotted(dataset)) is not None:
         names.add(d)
+    scope = id(script.scope(sampler))
+    keys: list[int | str] = [id(sampler), *([sampler_name] if sampler_name else [])]
     loaders = {
         loader: _assigned_name(script, loader)
-        for loader in loaders_by_scope.get(script.scope(sampler), [])
-        if any(
-            (arg := keyword(loader, kw, pos)) is not None
-            and (arg is sampler or (sampler_name is not None and sampler_name in identifiers(arg)))
-            for kw, pos in (("sampler", 3), ("batch_sampler", 4))
-        )
+        for key in keys
+        for loader in loaders_by_scope.get((scope, key), [])
     }
     names |= {n for n in loaders.values() if n is not None}
-    return _looks_like_evaluation(script, names, dataset) or any(
+    evaluates = _looks_like_evaluation(script, names, dataset) or any(
         _iterated_without_grad(script, loader, name)
         for loader, name in loaders.items()
         if name is not None
     )
+    return names if evaluates else None
 
 
 def _evaluation_sampler(script: Script) -> Iterator[Hit]:
@@ -213,15 +288,25 @@ def _evaluation_sampler(script: Script) -> Iterator[Hit]:
         drop_last = keyword(sampler, "drop_last", 5)
         if isinstance(drop_last, ast.Constant) and drop_last.value is True:
             continue  # drops the tail instead of padding it (evaluated apart, if at all)
-        if _evaluation(script, sampler, loaders_by_scope):
-            yield Hit(
-                sampler,
-                "evaluation under a DistributedSampler: it pads the data so that every "
-                "process gets as many samples, and the metrics count those duplicates",
-                "evaluate with a split that shows each sample once (paratrain's "
-                "rt.setup_loader(loader, evaluation=True)), or on rank 0 alone with a plain "
-                "DataLoader",
-            )
+        names = _evaluated(script, sampler, loaders_by_scope)
+        if names is None:
+            continue
+        # An evaluator of another module may drop the duplicates (by sample id), and a
+        # script that warns of them knows: the metrics may be right
+        sure = not (
+            escapes(script, names)
+            or evaluated_by_an_evaluator(script, names)
+            or acknowledged(script, sampler, "duplicate")
+        )
+        yield Hit(
+            sampler,
+            "evaluation under a DistributedSampler: it pads the data so that every "
+            "process gets as many samples, and the metrics count those duplicates",
+            "evaluate with a split that shows each sample once (paratrain's "
+            "rt.setup_loader(loader, evaluation=True)), or on rank 0 alone with a plain "
+            "DataLoader",
+            sure,
+        )
 
 
 def _evaluation_prepared(script: Script) -> Iterator[Hit]:
@@ -234,6 +319,7 @@ def _evaluation_prepared(script: Script) -> Iterator[Hit]:
         isinstance(c.func, ast.Attribute) and dotted(c.func.value) in accelerators
         for c in script.method_calls("gather")
     ) and not any(True for _ in script.method_calls("gather_for_metrics"))
+    trims = _trims_to_the_data_set(script)
     for helper, owners in (("setup_dataloaders", fabrics), ("prepare", accelerators)):
         if not owners or (helper == "prepare" and not keeps_duplicates):
             continue
@@ -263,8 +349,27 @@ def _evaluation_prepared(script: Script) -> Iterator[Hit]:
                         "use_distributed_sampler=False with a sampler that does not pad, or "
                         "trim to len(dataset); paratrain: rt.setup_loader(loader, "
                         "evaluation=True)",
+                        sure=not trims,
                     )
                     break
+
+
+def _trims_to_the_data_set(script: Script) -> bool:
+    """``predictions[: len(loader.dataset) - seen]``, ``losses[: len(eval_dataset)]``: the
+    script drops the padded duplicates itself."""
+    return any(
+        isinstance(node.slice, ast.Slice)
+        and node.slice.upper is not None
+        and any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "len"
+            and n.args
+            and "dataset" in (dotted(n.args[0]) or "").lower()
+            for n in ast.walk(node.slice.upper)
+        )
+        for node in script.nodes(ast.Subscript)
+    )
 
 
 RULES = [

@@ -1,0 +1,92 @@
+"""Gradients averaged twice: an all-reduce of each ``p.grad`` after DDP's backward already
+averaged them over the processes."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from paratrain.tools.doctor.names import DDP, dotted
+from paratrain.tools.doctor.rules.base import Hit, Rule
+from paratrain.tools.doctor.script import Script, own_nodes
+
+_ALL_REDUCE = ("torch.distributed.all_reduce", "torch.distributed.all_reduce_coalesced")
+
+
+def _reduces_grads(script: Script, loop: ast.For | ast.AsyncFor) -> ast.Call | None:
+    """The ``dist.all_reduce(p.grad...)`` of a loop ``for p in model.parameters():``."""
+    if not isinstance(loop.target, ast.Name):
+        return None
+    variable = loop.target.id
+    for node in own_nodes(loop):
+        if (
+            isinstance(node, ast.Call)
+            and script.full_name(node.func) in _ALL_REDUCE
+            and node.args
+            and (dotted(node.args[0]) or "").startswith(f"{variable}.grad")
+        ):
+            return node
+    return None
+
+
+def _iterates_parameters(loop: ast.For | ast.AsyncFor) -> str | None:
+    """``model`` for ``for p in model.parameters():`` (``named_parameters`` too)."""
+    it = loop.iter
+    func = it.func if isinstance(it, ast.Call) else None
+    if isinstance(func, ast.Attribute) and func.attr in ("parameters", "named_parameters"):
+        return dotted(func.value)
+    return None
+
+
+def _wrapped_by_ddp(script: Script) -> set[str]:
+    """Names that hold a DDP model, and the names of the models wrapped."""
+    names = set(script.instances(DDP))
+    for call in script.calls(DDP):
+        if call.args and (inner := dotted(call.args[0])) is not None:
+            names.add(inner)
+    return names
+
+
+def _grad_all_reduce_after_ddp(script: Script) -> Iterator[Hit]:
+    wrapped = _wrapped_by_ddp(script)
+    if not wrapped or any(True for _ in script.method_calls("no_sync")):
+        return
+    helpers: dict[str, int] = {}  # `def average_gradients(model):` -> the model's position
+    loops: list[ast.For | ast.AsyncFor] = [*script.nodes(ast.For), *script.nodes(ast.AsyncFor)]
+    for loop in loops:
+        model = _iterates_parameters(loop)
+        if model is None or (call := _reduces_grads(script, loop)) is None:
+            continue
+        scope = script.scope(loop)
+        params = [a.arg for a in getattr(getattr(scope, "args", None), "args", [])]
+        if model in params:  # a helper: which model it reduces is the caller's
+            function = isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
+            if function and not script.in_class(scope):
+                helpers[getattr(scope, "name", "")] = params.index(model)
+        elif model.removesuffix(".module") in wrapped or model in wrapped:
+            yield _hit(call, model)
+    for name, position in helpers.items():  # average_gradients(ddp_model)
+        for call in script.nodes(ast.Call):
+            if isinstance(call.func, ast.Name) and call.func.id == name:
+                arg = call.args[position] if len(call.args) > position else None
+                if arg is not None and (model := dotted(arg)) in wrapped:
+                    yield _hit(call, model)
+
+
+def _hit(node: ast.AST, model: str) -> Hit:
+    return Hit(
+        node,
+        f"{model} is trained under DistributedDataParallel, whose backward already averaged "
+        "every gradient over the processes: reducing them again doubles the communication, "
+        "and a sum makes them N times too large",
+        "drop the all-reduce (DDP does it); to reduce by hand, train without DDP",
+    )
+
+
+RULES = [
+    Rule(
+        "grad-allreduce-after-ddp",
+        "gradients all-reduced by hand after DDP already averaged them",
+        _grad_all_reduce_after_ddp,
+    )
+]
