@@ -655,6 +655,10 @@ CASES: list[tuple[str, str, list[str]]] = [
         parser = argparse.ArgumentParser()
         parser.add_argument("--dist-url", default="tcp://192.168.1.10:23456")  # expect: lan-address
         os.environ["MASTER_ADDR"] = "10.0.0.5"  # expect: lan-address
+        addr = os.environ.get("MASTER_ADDR", "10.8.1.20")  # expect: lan-address
+        port = int(os.getenv("MASTER_PORT", "29500"))
+        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}")
+        host = os.getenv("MASTER_ADDR", "172.16.0.3")  # expect: lan-address
         """,
         [
             """
@@ -665,6 +669,9 @@ CASES: list[tuple[str, str, list[str]]] = [
             parser.add_argument("--lr", default="0.1")
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ.setdefault("MASTER_ADDR", "localhost")
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            host = os.getenv("MASTER_ADDR", "localhost")
+            peer = os.getenv("PEER", "10.0.0.9")
             """,
         ],
     ),

@@ -17,6 +17,7 @@ _GET_RANK = ("torch.distributed.get_rank",)
 _GLOBAL, _LOCAL = "RANK", "LOCAL_RANK"
 #: calls whose argument is a device index
 _SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index")
+_GETENV = ("os.getenv",)
 
 
 def _global_rank(script: Script, value: ast.expr) -> bool:
@@ -110,7 +111,10 @@ def _addresses(script: Script) -> Iterator[tuple[ast.AST, str]]:
             and (ip := _private(getattr(node.value, "value", None)))
         ):
             yield node, ip
-    for call in script.method_calls("setdefault"):
+    # os.environ.setdefault("MASTER_ADDR", ip), and the default of a read of it:
+    # os.environ.get("MASTER_ADDR", ip), os.getenv("MASTER_ADDR", ip)
+    defaults = [*script.method_calls("setdefault"), *script.method_calls("get")]
+    for call in [*defaults, *script.calls(*_GETENV)]:
         named = len(call.args) == 2 and _is_constant(call.args[0], "MASTER_ADDR")
         if named and (ip := _private(getattr(call.args[1], "value", None))):
             yield call, ip
