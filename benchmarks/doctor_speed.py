@@ -60,18 +60,21 @@ def loaders(count: int) -> str:
 
 
 def evaluations(count: int) -> str:
-    """``count`` evaluation loaders, each handed to an evaluation function (the rules that
-    follow a loader into a function, once per loader)."""
+    """``count`` evaluation loaders, each handed to an evaluation function whose partial sum
+    is printed (the rules that follow a loader into a function, and a returned sum back to
+    its caller, once per loader)."""
     head = (
         "import torch.distributed as dist\n"
         "from torch.utils.data import DataLoader, DistributedSampler\n"
-        "def evaluate(model, loader):\n    return [model(x) for x in loader]\n"
+        "def evaluate(model, loader):\n    total = 0.0\n"
+        "    for x in loader:\n        total += model(x).item()\n    return total\n"
         "dist.init_process_group('nccl')\n"
     )
     one = (
         "val_sampler{i} = DistributedSampler(val_set, shuffle=False)\n"
         "val_loader{i} = DataLoader(val_set, sampler=val_sampler{i})\n"
-        "evaluate(model, val_loader{i})\n"
+        "loss{i} = evaluate(model, val_loader{i})\n"
+        "print(loss{i})\n"
     )
     return head + "".join(one.format(i=i) for i in range(count))
 

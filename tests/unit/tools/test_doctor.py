@@ -995,3 +995,60 @@ def test_an_fsdp_save_is_not_told_to_move_under_a_rank_guard() -> None:
     (finding,) = diagnose_source(source).findings
     assert finding.rule == "unguarded-output"
     assert not finding.fix.startswith("do it on rank 0") and "must call it" in finding.fix
+
+
+VALIDATE_HELPER = """
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+def validate(model, loader, criterion):
+    total = 0.0
+    with torch.no_grad():
+        for x, y in loader:
+            total += criterion(model(x), y).item()
+    return total / len(loader)
+def main(model, val_set, criterion, epochs):
+    dist.init_process_group("gloo")
+    sampler = DistributedSampler(val_set, shuffle=False, drop_last=True)
+    val_loader = DataLoader(val_set, sampler=sampler)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    best = float("inf")
+    for epoch in range(epochs):
+        val_loss = validate(model, val_loader, criterion)
+        scheduler.step(val_loss)  # expect: metric-without-reduce
+"""
+
+
+def test_a_partial_sum_returned_by_a_helper_is_found_in_its_caller() -> None:
+    """``val_loss = validate(model, val_loader, ...)`` over a sharded loader, stepped into
+    ReduceLROnPlateau or compared to pick the best model: each process uses its own share."""
+    assert found(VALIDATE_HELPER) == expected(VALIDATE_HELPER)
+    best = VALIDATE_HELPER.replace(
+        "scheduler.step(val_loss)  # expect: metric-without-reduce",
+        "if val_loss < best:  # expect: metric-without-reduce\n            best = val_loss",
+    )
+    assert found(best) == expected(best)
+    pair = VALIDATE_HELPER.replace(
+        "    return total / len(loader)", "    return total / len(loader), len(loader)"
+    ).replace("val_loss = validate(", "val_loss, batches = validate(")
+    assert found(pair) == expected(pair)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [  # reduced in the helper, or in the caller; an unsharded loader; the result unused
+        (
+            "    return total",
+            "    total = torch.tensor(total)\n    dist.all_reduce(total)\n    return total",
+        ),
+        (
+            "        scheduler.step(val_loss)",
+            "        dist.all_reduce(val_loss)\n        scheduler.step(val_loss)",
+        ),
+        ("val_loader = DataLoader(val_set, sampler=sampler)", "val_loader = DataLoader(val_set)"),
+        ("        val_loss = validate(", "        validate("),
+    ],
+)
+def test_a_helper_whose_sum_is_reduced_or_unsharded_is_left_alone(old: str, new: str) -> None:
+    clean = VALIDATE_HELPER.replace(old, new).replace("  # expect: metric-without-reduce", "")
+    assert old in VALIDATE_HELPER and found(clean) == []

@@ -10,7 +10,7 @@ from paratrain.tools.doctor.collectives import Collectives, sharded_loaders
 from paratrain.tools.doctor.names import dotted
 from paratrain.tools.doctor.ranks import guard_of, mentions_rank, multi_process
 from paratrain.tools.doctor.rules.base import Hit, Rule
-from paratrain.tools.doctor.script import Script, own_nodes
+from paratrain.tools.doctor.script import Script, keyword, own_nodes
 
 _RANK0_NAMES = ("main", "master", "zero", "primary", "leader", "chief")
 
@@ -102,45 +102,167 @@ def _metric_without_reduce(script: Script) -> Iterator[Hit]:
     if not sharded:
         return
     collectives = Collectives.of(script)
+    helpers = _Helpers(script, sharded)
+    received: list[tuple[ast.Call, set[str], str]] = []  # what helpers hand back, and where
     loops: list[ast.For | ast.AsyncFor] = [*script.nodes(ast.For), *script.nodes(ast.AsyncFor)]
     for loop in loops:
-        iterated = sharded & _dotted_names(loop.iter)
-        trains = any(
-            isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute)
-            and n.func.attr == "backward"
-            for n in own_nodes(loop)
-        )
-        gathers = any(  # each batch gathered in the loop: the sums are already global
-            isinstance(n, ast.Call) and collectives.is_collective(n) for n in own_nodes(loop)
-        )
-        summed = _accumulators(loop) if iterated and not trains and not gathers else set()
+        summed = _summed(collectives, loop)
         if not summed:
             continue
         after = [n for n in script.own(script.scope(loop)) if getattr(n, "lineno", 0) > _end(loop)]
-        derived = set(summed)
-        for node in after:  # `accuracy = correct / total` carries the sum along
-            if isinstance(node, ast.Assign) and _names(node.value) & derived:
-                derived |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        reduced = any(
-            isinstance(n, ast.Call) and collectives.is_collective(n) and _names(n) & derived
-            for n in after
-        )
-        if reduced:
+        if iterated := sharded & _dotted_names(loop.iter):
+            yield from _partial_uses(collectives, after, summed, sorted(iterated)[0])
             continue
-        for node in after:
-            use = _use(node, derived)
-            if use is not None:
-                shown = sorted(_names(node) & derived)[0]
-                yield Hit(
-                    node,
-                    f"{shown} is summed over this process's share of {sorted(iterated)[0]} "
-                    f"only (its sampler splits the data over the processes), then {use}",
-                    "sum it over the processes first (dist.all_reduce(tensor), "
-                    "hvd.allreduce, accelerator.gather_for_metrics; paratrain: "
-                    "rt.all_reduce(t, 'sum') with rt.setup_loader(loader, evaluation=True))",
-                )
-                break
+        # `def validate(model, loader)` summing over its parameter, called with a sharded
+        # loader: its prints, and what it returns to the caller, are partial too
+        calls = list(helpers.calls_sharding(loop))
+        derived = _derive(after, summed)
+        if not calls or any(_reduces(collectives, n, derived) for n in after):
+            continue
+        yield from _partial_uses(collectives, after, summed, calls[0][1])
+        returns = [n.value for n in after if isinstance(n, ast.Return) and n.value is not None]
+        returns = [value for value in returns if _names(value) & derived]
+        for call, loader in calls:
+            if names := _receivers(returns, derived, script.parents.get(call)):
+                received.append((call, names, loader))
+    yield from _caller_uses(script, collectives, received)
+
+
+def _summed(collectives: Collectives, loop: ast.For | ast.AsyncFor) -> set[str]:
+    """What an evaluation loop sums (not a training loop, nor one gathering each batch)."""
+    trains = any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        for n in own_nodes(loop)
+    )
+    gathers = any(  # each batch gathered in the loop: the sums are already global
+        isinstance(n, ast.Call) and collectives.is_collective(n) for n in own_nodes(loop)
+    )
+    return set() if trains or gathers else _accumulators(loop)
+
+
+def _derive(after: list[ast.AST], summed: set[str]) -> set[str]:
+    derived = set(summed)
+    for node in after:  # `accuracy = correct / total` carries the sum along
+        if isinstance(node, ast.Assign) and _names(node.value) & derived:
+            derived |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return derived
+
+
+def _reduces(collectives: Collectives, node: ast.AST, derived: set[str]) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and collectives.is_collective(node)
+        and bool(_names(node) & derived)
+    )
+
+
+def _partial_uses(
+    collectives: Collectives, after: list[ast.AST], summed: set[str], loader: str
+) -> Iterator[Hit]:
+    """The first use of a partial sum as a whole, unless it is reduced first."""
+    derived = _derive(after, summed)
+    if any(_reduces(collectives, n, derived) for n in after):
+        return
+    for node in after:
+        use = _use(node, derived)
+        if use is not None:
+            yield _partial_hit(node, sorted(_names(node) & derived)[0], loader, use)
+            return
+
+
+def _partial_hit(node: ast.AST, shown: str, loader: str, use: str) -> Hit:
+    return Hit(
+        node,
+        f"{shown} is summed over this process's share of {loader} "
+        f"only (its sampler splits the data over the processes), then {use}",
+        "sum it over the processes first (dist.all_reduce(tensor), "
+        "hvd.allreduce, accelerator.gather_for_metrics; paratrain: "
+        "rt.all_reduce(t, 'sum') with rt.setup_loader(loader, evaluation=True))",
+    )
+
+
+def _receivers(returns: list[ast.expr], derived: set[str], assign: ast.AST | None) -> set[str]:
+    """The caller's names that receive a partial sum: ``val_loss = validate(...)``, or the
+    matching element of ``val_loss, acc = validate(...)`` for ``return loss, acc``."""
+    if not isinstance(assign, ast.Assign) or len(assign.targets) != 1:
+        return set()
+    target = assign.targets[0]
+    found: set[str] = set()
+    for value in returns:
+        if isinstance(target, ast.Name):
+            found.add(target.id)
+        elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+            pairs = zip(target.elts, value.elts, strict=False)
+            found |= {t.id for t, v in pairs if isinstance(t, ast.Name) and _names(v) & derived}
+    return found
+
+
+def _caller_uses(
+    script: Script, collectives: Collectives, received: list[tuple[ast.Call, set[str], str]]
+) -> Iterator[Hit]:
+    """The first use of each partial sum a helper returned, unless reduced: one pass over
+    each calling scope however many calls it makes (linear in the file)."""
+    by_scope: dict[int, list[tuple[ast.Call, set[str], str]]] = {}
+    for item in received:
+        by_scope.setdefault(id(script.scope(item[0])), []).append(item)
+    for items in by_scope.values():
+        items.sort(key=lambda item: _end(item[0]))
+        origin: dict[str, int] = {}  # a name holding a partial sum -> which call's
+        reduced: set[int] = set()
+        first: dict[int, tuple[ast.AST, str, str]] = {}  # its first use, the name, how
+        pending = 0
+        for node in script.own(script.scope(items[0][0])):
+            while pending < len(items) and _end(items[pending][0]) < getattr(node, "lineno", 0):
+                origin.update(dict.fromkeys(items[pending][1], pending))
+                pending += 1
+            named = _names(node) & origin.keys() if origin else set()
+            if not named:
+                continue
+            source = min(origin[n] for n in named)
+            if isinstance(node, ast.Assign):
+                origin.update({t.id: source for t in node.targets if isinstance(t, ast.Name)})
+            if _reduces(collectives, node, set(named)):
+                reduced |= {origin[n] for n in named}
+            elif source not in first and (use := _use(node, set(named))) is not None:
+                first[source] = (node, sorted(named)[0], use)
+        for source, (node, shown, use) in sorted(first.items()):
+            if source not in reduced:
+                yield _partial_hit(node, shown, items[source][2], use)
+
+
+class _Helpers:
+    """Calls of the file's own functions with a sharded loader as an argument."""
+
+    def __init__(self, script: Script, sharded: set[str]) -> None:
+        self.script, self.sharded = script, sharded
+        self._calls: dict[str, list[ast.Call]] | None = None
+
+    def calls_sharding(self, loop: ast.For | ast.AsyncFor) -> Iterator[tuple[ast.Call, str]]:
+        """``(call, loader)`` for each call handing a sharded loader to the parameter that
+        ``loop`` (in a function, not a method) iterates."""
+        function = self.script.scope(loop)
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            return
+        if self.script.in_class(function):
+            return
+        params = [a.arg for a in function.args.args]
+        iterated = [p for p in params if p in _dotted_names(loop.iter)]
+        if not iterated:
+            return
+        position, name = params.index(iterated[0]), iterated[0]
+        for call in self._by_name().get(function.name, []):
+            arg = keyword(call, name, position)
+            if arg is not None and (loader := dotted(arg)) in self.sharded:
+                yield call, loader
+
+    def _by_name(self) -> dict[str, list[ast.Call]]:
+        if self._calls is None:  # once per script: every rule stays linear
+            local = self.script.functions()
+            self._calls = {}
+            for call in self.script.nodes(ast.Call):
+                if isinstance(call.func, ast.Name) and call.func.id in local:
+                    self._calls.setdefault(call.func.id, []).append(call)
+        return self._calls
 
 
 def _use(node: ast.AST, derived: set[str]) -> str | None:
