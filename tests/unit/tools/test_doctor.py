@@ -1052,3 +1052,43 @@ def test_a_partial_sum_returned_by_a_helper_is_found_in_its_caller() -> None:
 def test_a_helper_whose_sum_is_reduced_or_unsharded_is_left_alone(old: str, new: str) -> None:
     clean = VALIDATE_HELPER.replace(old, new).replace("  # expect: metric-without-reduce", "")
     assert old in VALIDATE_HELPER and found(clean) == []
+
+
+BRANCHED_AVERAGE = """
+import torch
+import torch.distributed as dist
+def average_gradients(model):
+    for param in model.parameters():
+        dist.all_reduce(param.grad.data)
+def train(args, net, loader, optimizer):
+    distributed, use_cuda = len(args.hosts) > 1, args.num_gpus > 0
+    dist.init_process_group("gloo")
+    model = net.to("cuda" if use_cuda else "cpu")
+    if distributed and use_cuda:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        model = torch.nn.DataParallel(model)
+    for x, y in loader:
+        model(x).sum().backward()
+        if distributed and not use_cuda:
+            average_gradients(model)
+        optimizer.step()
+"""
+
+
+def averaged_twice(source: str) -> list[int]:
+    return [line for line, rule in found(source) if rule == "grad-allreduce-after-ddp"]
+
+
+def test_gradients_averaged_by_hand_only_where_ddp_was_not_built_are_left_alone() -> None:
+    """The CPU branch averages by hand; DDP is built in the CUDA branch only: the tests
+    contradict each other, so the two never meet. Where they can meet, it is found."""
+    assert averaged_twice(BRANCHED_AVERAGE) == []
+    elsewhere = BRANCHED_AVERAGE.replace("if distributed and not use_cuda:", "if distributed:")
+    assert averaged_twice(elsewhere) == [18]
+    in_else = BRANCHED_AVERAGE.replace(
+        "        if distributed and not use_cuda:\n            average_gradients(model)\n",
+        "        if use_cuda:\n            pass\n"
+        "        else:\n            average_gradients(model)\n",
+    )
+    assert averaged_twice(in_else) == []

@@ -63,14 +63,64 @@ def _grad_all_reduce_after_ddp(script: Script) -> Iterator[Hit]:
             function = isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
             if function and not script.in_class(scope):
                 helpers[getattr(scope, "name", "")] = params.index(model)
-        elif model.removesuffix(".module") in wrapped or model in wrapped:
+        elif (model.removesuffix(".module") in wrapped or model in wrapped) and not _apart(
+            script, call, model.removesuffix(".module")
+        ):
             yield _hit(call, model)
     for name, position in helpers.items():  # average_gradients(ddp_model)
         for call in script.nodes(ast.Call):
             if isinstance(call.func, ast.Name) and call.func.id == name:
                 arg = call.args[position] if len(call.args) > position else None
-                if arg is not None and (model := dotted(arg)) in wrapped:
+                model = dotted(arg) if arg is not None else None
+                if model in wrapped and not _apart(script, call, model):
                     yield _hit(call, model)
+
+
+def _apart(script: Script, reduce: ast.AST, model: str | None) -> bool:
+    """Whether every DDP wrap of ``model`` runs under a test that the reduce's contradicts:
+    ``if distributed and use_cuda: model = DDP(model)`` then ``if distributed and not
+    use_cuda: average_gradients(model)`` (the CPU branch, where DDP was not built)."""
+    wraps = [
+        call
+        for call in script.calls(DDP)
+        if (call.args and dotted(call.args[0]) == model)
+        or any(dotted(t) == model for t in getattr(script.parents.get(call), "targets", []))
+    ]
+    held = _tests(script, reduce)
+    return bool(wraps) and all(
+        any((name, not value) in held for name, value in _tests(script, wrap)) for wrap in wraps
+    )
+
+
+def _tests(script: Script, node: ast.AST) -> set[tuple[str, bool]]:
+    """The name tests that hold where ``node`` runs, within its function: in the body of
+    ``if a and not b:``, ``(a, True)`` and ``(b, False)``; in the else of ``if a:``,
+    ``(a, False)``."""
+    held: set[tuple[str, bool]] = set()
+    child = node
+    for parent in script.ancestors(node):
+        if isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            break
+        if isinstance(parent, ast.If):
+            atoms = _atoms(parent.test)
+            if child in parent.body:
+                held |= atoms
+            elif child in parent.orelse and len(atoms) == 1:
+                held |= {(name, not value) for name, value in atoms}
+        child = parent
+    return held
+
+
+def _atoms(test: ast.expr) -> set[tuple[str, bool]]:
+    """``a and not b`` -> ``{(a, True), (b, False)}`` (names only; anything else is left out)."""
+    parts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    found: set[tuple[str, bool]] = set()
+    for part in parts:
+        negated = isinstance(part, ast.UnaryOp) and isinstance(part.op, ast.Not)
+        name = dotted(part.operand if isinstance(part, ast.UnaryOp) else part)
+        if name is not None:
+            found.add((name, not negated))
+    return found
 
 
 def _hit(node: ast.AST, model: str) -> Hit:
