@@ -852,6 +852,19 @@ SHAPES: dict[str, str] = {
             for x in loader:
                 pass
         """,
+    "set_epoch(0) once, then the loader iterated again and again by steps": """
+        from torch.utils.data import DataLoader, DistributedSampler
+        sampler = DistributedSampler(corpus, shuffle=True)
+        loader = DataLoader(corpus, batch_size=8, sampler=sampler)
+        data_iter = iter(loader)
+        sampler.set_epoch(0)  # expect: set-epoch
+        for step in range(train_iters):
+            try:
+                batch = next(data_iter)
+            except StopIteration:
+                data_iter = iter(loader)
+                batch = next(data_iter)
+        """,
     "set_epoch of the epoch, a parameter, or a counter: no finding": """
         from torch.utils.data import DistributedSampler
         sampler = DistributedSampler(train_set)
