@@ -1045,11 +1045,17 @@ def test_a_partial_sum_returned_by_a_helper_is_found_in_its_caller() -> None:
         "    return total / len(loader)", "    return total / len(loader), len(loader)"
     ).replace("val_loss = validate(", "val_loss, batches = validate(")
     assert found(pair) == expected(pair)
+    same_name = (
+        VALIDATE_HELPER.replace("(model, loader, criterion)", "(model, val_loader, criterion)")
+        .replace("in loader:", "in val_loader:")
+        .replace("len(loader)", "len(val_loader)")
+    )
+    assert found(same_name) == expected(same_name)
 
 
 @pytest.mark.parametrize(
     ("old", "new"),
-    [  # reduced in the helper, or in the caller; an unsharded loader; the result unused
+    [  # reduced in the helper or the caller; an unsharded loader; the result unused
         (
             "    return total",
             "    total = torch.tensor(total)\n    dist.all_reduce(total)\n    return total",
@@ -1060,6 +1066,10 @@ def test_a_partial_sum_returned_by_a_helper_is_found_in_its_caller() -> None:
         ),
         ("val_loader = DataLoader(val_set, sampler=sampler)", "val_loader = DataLoader(val_set)"),
         ("        val_loss = validate(", "        validate("),
+        (  # a helper doctor cannot read, whose name says it reduces
+            "    return total",
+            "    total = utils.get_all_reduce_mean(total).item()\n    return total",
+        ),
     ],
 )
 def test_a_helper_whose_sum_is_reduced_or_unsharded_is_left_alone(old: str, new: str) -> None:

@@ -13,6 +13,8 @@ from paratrain.tools.doctor.rules.base import Hit, Rule
 from paratrain.tools.doctor.script import Script, keyword, own_nodes
 
 _RANK0_NAMES = ("main", "master", "zero", "primary", "leader", "chief")
+#: what a helper's name says when it combines a value over the processes
+_REDUCING_WORDS = ("reduce", "gather", "sync")
 
 
 def _rank0_test(test: ast.expr) -> bool:
@@ -110,21 +112,20 @@ def _metric_without_reduce(script: Script) -> Iterator[Hit]:
         if not summed:
             continue
         after = [n for n in script.own(script.scope(loop)) if getattr(n, "lineno", 0) > _end(loop)]
-        if iterated := sharded & _dotted_names(loop.iter):
-            yield from _partial_uses(collectives, after, summed, sorted(iterated)[0])
-            continue
-        # `def validate(model, loader)` summing over its parameter, called with a sharded
-        # loader: its prints, and what it returns to the caller, are partial too
+        # a loop over a sharded loader, or `def validate(model, loader)` summing over its
+        # parameter, called with one: its uses, and what it returns to callers, are partial
+        iterated = sharded & _dotted_names(loop.iter)
         calls = list(helpers.calls_sharding(loop))
         derived = _derive(after, summed)
-        if not calls or any(_reduces(collectives, n, derived) for n in after):
+        if not (iterated or calls) or any(_reduces(collectives, n, derived) for n in after):
             continue
-        yield from _partial_uses(collectives, after, summed, calls[0][1])
+        loader = sorted(iterated)[0] if iterated else calls[0][1]
+        yield from _partial_uses(collectives, after, summed, loader)
         returns = [n.value for n in after if isinstance(n, ast.Return) and n.value is not None]
         returns = [value for value in returns if _names(value) & derived]
-        for call, loader in calls:
+        for call, passed in calls:
             if names := _receivers(returns, derived, script.parents.get(call)):
-                received.append((call, names, loader))
+                received.append((call, names, passed))
     yield from _caller_uses(script, collectives, received)
 
 
@@ -149,11 +150,12 @@ def _derive(after: list[ast.AST], summed: set[str]) -> set[str]:
 
 
 def _reduces(collectives: Collectives, node: ast.AST, derived: set[str]) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and collectives.is_collective(node)
-        and bool(_names(node) & derived)
-    )
+    """A collective, or a helper doctor cannot read whose name says it reduces
+    (``get_all_reduce_mean(loss)``, ``reduce_tensor``, ``all_gather_list``), given the sum."""
+    if not isinstance(node, ast.Call) or not _names(node) & derived:
+        return False
+    name = (dotted(node.func) or "").rpartition(".")[2].lower()
+    return collectives.is_collective(node) or any(w in name for w in _REDUCING_WORDS)
 
 
 def _partial_uses(
