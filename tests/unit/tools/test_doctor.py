@@ -1115,3 +1115,28 @@ def test_gradients_averaged_by_hand_only_where_ddp_was_not_built_are_left_alone(
         "        else:\n            average_gradients(model)\n",
     )
     assert averaged_twice(in_else) == []
+
+
+SAVE_STATE_HOOK = """
+from accelerate import Accelerator
+def main(args, unet):
+    accelerator = Accelerator()
+    def save_model_hook(models, weights, output_dir):
+        for model in models:
+            model.save_pretrained(output_dir)
+            weights.pop()
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    unet = accelerator.prepare(unet)
+    if accelerator.is_main_process:
+        accelerator.save_state(args.output_dir)
+    unet.save_pretrained(args.output_dir)  # expect: unguarded-output
+if __name__ == "__main__":
+    main(None, None)
+"""
+
+
+def test_a_save_state_hook_runs_where_save_state_runs() -> None:
+    """A function handed to Accelerate's register_save_state_pre_hook is called by
+    save_state (here on the main process), not where it is registered."""
+    said = [(line, rule) for line, rule in found(SAVE_STATE_HOOK) if rule == "unguarded-output"]
+    assert said == expected(SAVE_STATE_HOOK)

@@ -177,6 +177,10 @@ def starts_group(script: Script) -> bool:
     return any(any(True for _ in module.calls(*started)) for module in script.modules)
 
 
+#: Accelerate's registrations of functions that save_state / load_state call
+_STATE_HOOKS = ("register_save_state_pre_hook", "register_load_state_pre_hook")
+
+
 class EveryRank:
     """Answers "does this node run, unguarded, on every process?"."""
 
@@ -261,10 +265,19 @@ class EveryRank:
                     continue
                 if lexically_guarded(self.script, node) or self.in_launcher(node):
                     continue
+                if self._save_state_hook(node):
+                    continue
                 for d in defs:
                     if d not in self._running:
                         self._running.add(d)
                         queue.append(d)
+
+    def _save_state_hook(self, node: ast.AST) -> bool:
+        """``accelerator.register_save_state_pre_hook(save_model_hook)``: the hook runs where
+        ``save_state`` runs (on the main process, in most scripts), not where it is handed."""
+        call = self.script.parents.get(node)
+        func = call.func if isinstance(call, ast.Call) else None
+        return isinstance(func, ast.Attribute) and func.attr in _STATE_HOOKS
 
     def runs(self, node: ast.AST) -> bool:
         """Whether the code of ``node``'s function runs on every process (guards aside)."""
