@@ -4,6 +4,7 @@ over real tensors (--strategy cpu: one process, the layout's per-device batch)."
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,31 @@ def _gpt(width: int) -> Any:
     return build
 
 
+#: Hugging Face configs (``--recipe hf:CONFIG``): GPT-2 (head tied) and Llama (grouped heads)
+_HF_CONFIGS = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4, "n_positions": 64,
+             "vocab_size": 512, "bos_token_id": 0, "eos_token_id": 0},
+    "llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 64, "bos_token_id": 0,
+              "eos_token_id": 0},
+}  # fmt: skip
+
+
+def _hugging_face(family: str) -> Any:
+    path = Path(tempfile.mkdtemp()) / f"{family}.json"
+    path.write_text(json.dumps(_HF_CONFIGS[family]))
+    return recipe_builder(f"hf:{path}")[0]
+
+
 def _builders() -> dict[str, tuple[Any, int]]:
     return {
         "digits": (recipe_builder("digits")[0], 64),
         "cifar10-resnet18": (recipe_builder("cifar10-resnet18", synthetic=16)[0], 4),
         "tiny-gpt width 64": (_gpt(64), 8),
         "tiny-gpt width 256": (_gpt(256), 8),
+        "hf:gpt2": (_hugging_face("gpt2"), 8),
+        "hf:llama": (_hugging_face("llama"), 8),
     }
 
 
