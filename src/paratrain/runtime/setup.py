@@ -25,6 +25,7 @@ from paratrain.runtime.batching import global_batch_size
 from paratrain.runtime.determinism import naming_nondeterministic
 from paratrain.runtime.optim import RuntimeOptimizer, move_optimizer_state, warn_once_on_main
 from paratrain.runtime.parts import RuntimeParts
+from paratrain.runtime.random_layers import dropout_note
 from paratrain.runtime.schedulers import gate_scheduler, is_scheduler
 from paratrain.strategies import Strategy
 from paratrain.utils.errors import UserError
@@ -80,13 +81,7 @@ class RuntimeSetup:
                 "pass the loss function too, rt.setup(model, optimizer, loss_fn), or use a "
                 "model that computes its own (a forward taking labels=...: outputs.loss)"
             )
-        if rt.oom_refused is not None:
-            self.tell(
-                "oom",
-                "--oom auto: out-of-memory recovery is not available under "
-                f"--strategy {strategy.name} ({rt.oom_refused}); running out of memory stops "
-                "the run",
-            )
+        self._notes(model)
         if is_meta(model):  # built on the meta device: weights from the seed, part by part
             self._materialize(model)
         if config.sync_batchnorm:
@@ -115,6 +110,20 @@ class RuntimeSetup:
             steps = optimizer._paratrain_steps if isinstance(optimizer, RuntimeOptimizer) else None
             result.append(gate_scheduler(scheduler, optimizer, steps))
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _notes(self, model: nn.Module) -> None:
+        """What the run cannot promise for this model, said once at its setup."""
+        rt = self.rt
+        if rt.oom_refused is not None:
+            self.tell(
+                "oom",
+                "--oom auto: out-of-memory recovery is not available under "
+                f"--strategy {rt.strategy.name} ({rt.oom_refused}); running out of memory "
+                "stops the run",
+            )
+        dropout = dropout_note(model, len(rt.strategy.devices))
+        if dropout is not None:
+            self.tell("dropout", dropout)
 
     def _materialize(self, model: nn.Module) -> None:
         seed = self.rt.init_seed

@@ -55,3 +55,24 @@ def test_collectives_combine_over_data_or_processes() -> None:
     assert rt.all_gather(tensor, over="processes") == [tensor]
     with pytest.raises(UserError, match=r"^over='stages': use one of 'data', 'processes'$"):
         rt.all_reduce(tensor, over="stages")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "rate", "noted"),
+    [
+        ("dp-balanced", "cpu,cpu", 0.1, True),
+        ("dp-balanced", "cpu,cpu", 0.0, False),
+        ("cpu", "cpu", 0.1, False),
+    ],
+)
+def test_dropout_on_several_devices_is_said_once(
+    strategy: str, devices: str, rate: float, noted: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """dp-balanced on cpu,cpu (threads in this process), cpu: each device draws its own
+    dropout masks, so the weights are not one process's; rt.setup says it, once."""
+    rt = paratrain.Runtime(strategy=strategy, devices=devices)
+    for _ in range(2):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(rate))
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss())
+    said = capfd.readouterr().err.count("the model has dropout (1 dropout layer, p up to 0.1)")
+    assert said == (1 if noted else 0)
