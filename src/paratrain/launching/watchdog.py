@@ -34,7 +34,9 @@ TIMEOUT_VARIABLE = "PARATRAIN_HANG_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
 POLL_SECONDS = 0.25
 #: how long the stuck rank gets to write its stack
-_DUMP_SECONDS = 3.0
+_DUMP_SECONDS = 5.0
+#: polls (0.1 s apart) a stack must stay the same size to be complete
+_STILL_POLLS = 5
 
 
 def hang_timeout() -> float | None:
@@ -102,16 +104,22 @@ class Watchdog:
         if hasattr(signal, "SIGUSR2"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stuck.pid, signal.SIGUSR2)
-            # faulthandler writes from its signal handler at once; a little grace for a
-            # loaded machine, and done as soon as the stack is complete.
-            deadline, size = time.monotonic() + _DUMP_SECONDS, -1
-            while time.monotonic() < deadline:
+            # faulthandler writes from its signal handler at once, but a loaded machine can
+            # pause it between two writes for longer than a poll: done when the stack ends a
+            # line and has not grown for _STILL_POLLS polls in a row.
+            deadline, size, still = time.monotonic() + _DUMP_SECONDS, -1, 0
+            while time.monotonic() < deadline and still < _STILL_POLLS:
                 time.sleep(0.1)
                 now = path.stat().st_size if path.exists() else 0
-                if now > 0 and now == size:
-                    break  # written, and no longer growing
+                still = still + 1 if now > 0 and now == size and _ends_a_line(path) else 0
                 size = now
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as stack:
+        stack.seek(-1, os.SEEK_END)
+        return stack.read(1) == b"\n"
 
 
 class WatchdogThread:
