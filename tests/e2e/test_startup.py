@@ -27,6 +27,7 @@ HELPS = [
     ["bench", "placement"],
     ["bench", "crossover"],
     ["bench", "loader"],
+    ["data", "shard"],
 ]
 
 #: torch subsystems that take seconds to import and that only some runs use

@@ -57,8 +57,9 @@ def test_workers_split_an_iterable_set_each_sample_once() -> None:
     assert _seen(rt, DataLoader(SelfSplitStream(), batch_size=10, num_workers=2)) == (
         [1.0] * SAMPLES
     )
-    # training: every sample once an epoch; the epoch's end is known without a length, so
-    # the last, unfinished group of micro-batches is applied there (12 batches of 2 workers)
+    # training: every sample once an epoch, in global batches of 10 whatever the workers
+    # (11 of them); the epoch's end is known without a length, so the last, unfinished group
+    # of micro-batches is applied there
     model = nn.Linear(1, 1)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     loader = rt.setup_loader(DataLoader(Stream(), batch_size=10, num_workers=2))
@@ -73,8 +74,8 @@ def test_workers_split_an_iterable_set_each_sample_once() -> None:
             seen[i] += 1
             batches += 1
         assert seen.tolist() == [1.0] * SAMPLES
-        assert batches == 12
-        assert rt.state.step == 4 * (epoch + 1)  # groups of 3, 3, 3, 3: none carried over
+        assert batches == 11
+        assert rt.state.step == 4 * (epoch + 1)  # groups of 3, 3, 3, 2: none carried over
 
 
 def _evaluate_stream(rt: paratrain.Runtime) -> list[float]:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from paratrain.data.iterable_split import split_iterable_loader, worker_settings
+from paratrain.data.iterable_split import GlobalBatches, split_iterable_loader, worker_settings
 from paratrain.data.placement import move_to_device
 from paratrain.data.stateful import loader_class, shuffles, splittable
 from paratrain.launching.heartbeat import beat
@@ -59,8 +59,6 @@ class BatchInfo:
 
 #: a batch that carries nothing (a tensor the loop made itself)
 PLAIN_BATCH = BatchInfo()
-#: no batch at all (an empty epoch)
-_NO_BATCH = object()
 
 
 class BatchSink(Protocol):
@@ -249,6 +247,8 @@ class DeviceLoader:
         self._epoch_set_by_user = False
         #: called when an iteration starts under ``torch.no_grad()`` (an evaluation loop)
         self.on_no_grad: Callable[[DeviceLoader], None] | None = None
+        #: (epoch, global batches of it handed out) while training, for :meth:`state_dict`
+        self._position: tuple[int, int] | None = None
 
     @property
     def evaluation(self) -> bool:
@@ -266,6 +266,7 @@ class DeviceLoader:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Pin the next iteration to ``epoch`` (resume); otherwise epochs advance by one."""
         self._next_epoch = epoch
+        self._position = (epoch, start_batch)
         if self.batch_sampler is not None:
             self.batch_sampler.set_epoch(epoch, start_batch)
             self._epoch_set_by_user = True
@@ -274,21 +275,33 @@ class DeviceLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
-        """A stateful loader's position (torchdata's ``StatefulDataLoader``), with the epoch
-        whose order it is in."""
+        """Where training stands in the data: the epoch and the global batches of it handed
+        out (the same on every process), or a stateful loader's own position (torchdata's
+        ``StatefulDataLoader``) with the epoch whose order it is in."""
         inner = getattr(self.loader, "state_dict", None)
-        if inner is None:
+        if inner is not None:
+            return {"epoch": self.epoch, "loader": inner()}
+        if not self._seeks():
             raise AttributeError(
-                f"{type(self.loader).__name__} keeps no position of its own: rt.save and "
-                "rt.load keep paratrain's (or use torchdata's StatefulDataLoader)"
+                f"{type(self.loader).__name__} of a {type(self.dataset).__name__} keeps no "
+                "position paratrain can return to: build the DataLoader with a batch_size "
+                "(and shuffle=True or False), or use torchdata's StatefulDataLoader"
             )
-        return {"epoch": self.epoch, "loader": inner()}
+        epoch, batch = self._position or (self._next_epoch, 0)
+        return {"epoch": epoch, "batch": batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position: its epoch's order, the batches its
-        loader had not handed out yet."""
-        self.set_epoch(int(state["epoch"]))
-        self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+        """Continue from :meth:`state_dict`'s position: its epoch's order, the batches not
+        handed out yet."""
+        if "loader" in state:
+            self.set_epoch(int(state["epoch"]))
+            self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+            return
+        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+
+    def _seeks(self) -> bool:
+        """Whether ``set_epoch(epoch, start_batch)`` can start an epoch mid-way."""
+        return self.batch_sampler is not None
 
     def _loss_weights(self) -> list[float] | None:
         """Per-batch weights that make the mean of the processes' losses the global mean
@@ -299,19 +312,27 @@ class DeviceLoader:
         sizes = sampler.global_batch_sizes()[sampler.start_batch :]
         return [sampler.local_size(s) * sampler.world_size / s for s in sizes]
 
-    def __iter__(self) -> Iterator[Any]:
+    def _begin_epoch(self) -> None:
+        """Choose the epoch an iteration shows: the one set, or the next."""
         if self.batch_sampler is not None:
             if not self._epoch_set_by_user:
                 self.batch_sampler.set_epoch(self._next_epoch)
             self._next_epoch = self.batch_sampler.epoch + 1
         else:
             self._next_epoch += 1
+
+    def _start_batch(self) -> int:
+        """Where the epoch an iteration shows starts (batches already trained on)."""
+        return 0 if self.batch_sampler is None else self.batch_sampler.start_batch
+
+    def __iter__(self) -> Iterator[Any]:
+        self._begin_epoch()
         self._epoch_set_by_user = False
         if self.on_no_grad is not None and not torch.is_grad_enabled():
             self.on_no_grad(self)
         sink = self._sink
         if sink is None:
-            for batch in self._batches():
+            for batch, _ in self._weighted_batches():
                 beat()  # progress, for the hang watchdog (evaluation has no backward)
                 yield move_to_device(batch, self.device)
             return
@@ -319,13 +340,15 @@ class DeviceLoader:
         # reads them when the batch is used, whatever the loop took ahead of it.
         source = id(self)
         sink.restarted(source)
-        weights = self._loss_weights()
-        for index, (batch, last) in enumerate(self._marking_last(sink.accumulate)):
-            weight = 1.0 if weights is None else weights[index]
+        epoch = self.epoch
+        self._position = (epoch, self._start_batch())
+        for batch, weight, last in self._marking_last(sink.accumulate):
             info = BatchInfo(weight, last, source, stand_in=weight == 0)
             sink.handed_out(info)
+            self._position = (epoch, self._position[1] + 1)
             beat()
             yield tag_batch(move_to_device(batch, self.device), info)
+        self._position = (epoch + 1, 0)
         sink.epoch_done()  # every process ends its epoch at the same batch
 
     def _batches(self) -> Iterator[Any]:
@@ -333,26 +356,38 @@ class DeviceLoader:
         device: one pass over each batch's tensors, not two)."""
         yield from self.loader
 
-    def _marking_last(self, accumulate: int) -> Iterator[tuple[Any, bool]]:
-        """The epoch's batches, each with whether it is the last. A loader of an
-        ``IterableDataset`` has no length to tell: its end is seen one batch ahead, and only
-        where it matters (``accumulate`` > 1: a group of micro-batches unfinished at the end
-        of the epoch is applied there), so that otherwise no batch is read before its turn."""
-        batches = self._batches()
-        if not isinstance(self.loader.dataset, IterableDataset):
-            last = len(self.loader) - 1
-            for index, batch in enumerate(batches):
-                yield batch, index == last
+    def _weighted_batches(self) -> Iterator[tuple[Any, float]]:
+        """The epoch's batches, each with this process's loss weight."""
+        weights = self._loss_weights()
+        for index, batch in enumerate(self._batches()):
+            yield batch, 1.0 if weights is None else weights[index]
+
+    def _known_length(self) -> int | None:
+        """How many batches the epoch has left, where it is known before its end."""
+        return None if isinstance(self.loader.dataset, IterableDataset) else len(self.loader)
+
+    def _marking_last(self, accumulate: int) -> Iterator[tuple[Any, float, bool]]:
+        """The epoch's batches and weights, each with whether it is the last. Where the
+        loader has no length to tell (an ``IterableDataset``'s), its end is seen one batch
+        ahead, and only where it matters (``accumulate`` > 1: a group of micro-batches
+        unfinished at the end of the epoch is applied there), so that otherwise no batch is
+        read before its turn."""
+        batches = self._weighted_batches()
+        length = self._known_length()
+        if length is not None:
+            for index, (batch, weight) in enumerate(batches):
+                yield batch, weight, index == length - 1
         elif accumulate == 1:
-            for batch in batches:
-                yield batch, False
+            for batch, weight in batches:
+                yield batch, weight, False
         else:
-            held = next(batches, _NO_BATCH)
-            for batch in batches:
-                yield held, False
-                held = batch
-            if held is not _NO_BATCH:
-                yield held, True
+            held = next(batches, None)
+            for pair in batches:
+                assert held is not None
+                yield *held, False
+                held = pair
+            if held is not None:
+                yield *held, True
 
 
 def shard_loader(
@@ -372,13 +407,17 @@ def shard_loader(
     ``seed`` and ``agree``: where a shuffled epoch's order comes from (see the module).
     """
     if isinstance(loader.dataset, IterableDataset):
-        if world_size > 1 and not evaluation:
+        split = split_iterable_loader(
+            loader, rank, world_size, pin_memory, batch_size=batch_size, evaluation=evaluation
+        )
+        if world_size > 1 and not evaluation and not isinstance(split.dataset, GlobalBatches):
             raise UserError(
-                f"training on {world_size} processes needs a map-style dataset (__len__ and "
-                "__getitem__): an IterableDataset's parts may hold different numbers of "
-                "batches, and every process takes every step; evaluation=True splits one"
+                f"training on {world_size} processes needs the loader to split the "
+                f"{type(loader.dataset).__name__} itself: build the DataLoader with a "
+                "batch_size and a data set that does not split itself (see 'Data at scale' "
+                "in the docs), or use a map-style dataset"
             )
-        return split_iterable_loader(loader, rank, world_size, pin_memory), None
+        return split, None
     if loader.batch_size is None:
         if world_size > 1:
             raise UserError(

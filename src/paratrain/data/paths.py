@@ -22,8 +22,10 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from paratrain.data.batched_loader import TensorBatchLoader
+from paratrain.data.iterable_split import GlobalBatches
 from paratrain.data.loaders import BatchSink, DeviceLoader, ShardedBatchSampler, shard_loader
 from paratrain.data.stateful import keeps_position
+from paratrain.data.stream_loader import StreamLoader
 from paratrain.data.tensor_data import TensorRows, tensor_rows
 from paratrain.utils.errors import UserError
 
@@ -90,6 +92,13 @@ def setup_data_path(
         batch_size=batch_size,
         agree=agree,
     )
+    if isinstance(rebuilt.dataset, GlobalBatches):
+        if data_path in ("batched", "device"):
+            raise UserError(
+                f'data path "{data_path}" does not apply: the data set is iterable (no '
+                'tensors to cut batches out of); use "loader" or "auto"'
+            )
+        return StreamLoader(rebuilt, device, sink)
     if data_path == "loader":
         return DeviceLoader(rebuilt, device, sampler, sink)
     rows = _rows(loader, sampler)

@@ -174,7 +174,7 @@ class RuntimeSetup:
         noted until its sums are all-reduced."""
         rt = self.rt
         shards = rt.strategy.data_shards
-        if isinstance(loader.dataset, IterableDataset) and shards > 1:
+        if isinstance(loader.dataset, IterableDataset) and shards > 1 and evaluation:
             _refuse_uneven_forwards(rt.strategy, shards)
         batch_size = loader.batch_size
         if batch_size is not None:
@@ -200,11 +200,12 @@ class RuntimeSetup:
 
 
 def _refuse_uneven_forwards(strategy: Strategy, shards: int) -> None:
-    """An iterable data set's parts may hold different numbers of batches: refused where
-    every forward is a collective (fsdp gathers the parameters in each)."""
+    """An iterable data set's parts for evaluation may hold different numbers of batches
+    (an empty part is skipped): refused where every forward is a collective (fsdp gathers
+    the parameters in each)."""
     if strategy.collective_forward:
         raise UserError(
-            f"--strategy {strategy.name}: an IterableDataset cannot be split across its "
+            f"--strategy {strategy.name}: an IterableDataset cannot be evaluated across its "
             f"{shards} processes, whose parts may hold different numbers of batches while "
             "every forward is a collective; use a map-style dataset (__len__ and __getitem__)"
         )

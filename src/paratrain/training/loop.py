@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from paratrain.checkpoints.state import (
     CHECKPOINTS,
@@ -217,7 +217,7 @@ def _set_up(
     from, and the run's files and observers; where the run goes on from."""
     recipe = get_recipe(cfg.recipe)
     assert cfg.epochs is not None and cfg.batch_size is not None
-    train_set, test_set = recipe.build_data(cfg)
+    train_set, test_set = recipe.data(cfg)
     size = len(train_set) if isinstance(train_set, Sized) else None
     if size is not None and cfg.batch_size > size:  # one short batch an epoch, or none
         raise UserError(
@@ -437,8 +437,10 @@ def _loaders(
 ) -> tuple[DeviceLoader, DeviceLoader]:
     """The training loader (shuffled, global batches) and the evaluation loader."""
     path, budget = cfg.data_path, cfg.device_budget_gib
+    # an iterable data set (tar shards) shuffles itself
+    shuffle = not isinstance(train_set, IterableDataset)
     train_loader = rt.setup_loader(
-        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, drop_last=drop_last),
+        DataLoader(train_set, batch_size=cfg.batch_size, shuffle=shuffle, drop_last=drop_last),
         data_path=path,
         device_budget_gib=budget,
     )

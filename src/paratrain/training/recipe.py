@@ -53,10 +53,14 @@ class Recipe:
     def check_data_options(
         self, data_dir: str | None, synthetic: int | None, download: bool = False
     ) -> None:
+        if data_dir is not None and _holds_shards(data_dir):
+            if synthetic is not None or download:
+                raise UserError(f"{data_dir} holds shards: drop --synthetic and --download")
+            return
         if not self.uses_data_dir and (data_dir is not None or synthetic is not None):
             raise UserError(
                 f"recipe {self.name} uses its own data; --data-dir and --synthetic are for "
-                "cifar10-resnet18"
+                "cifar10-resnet18, or --data-dir DIR for shards `paratrain data shard` wrote"
             )
         if download and self.download_data is None:
             raise UserError(f"recipe {self.name} has nothing to download; drop --download")
@@ -70,3 +74,19 @@ class Recipe:
             raise UserError("choose one of --data-dir and --synthetic")
         if download and synthetic is not None:
             raise UserError("choose one of --download and --synthetic")
+
+    def data(self, cfg: RecipeSettings) -> Datasets:
+        """The recipe's data sets, or those of a folder of tar shards (``--data-dir``,
+        written by ``paratrain data shard``): the training shards shuffled by the seed."""
+        if cfg.data_dir is None or not _holds_shards(cfg.data_dir):
+            return self.build_data(cfg)
+        from paratrain.data.shards import ShardStream
+
+        train = ShardStream.from_folder(cfg.data_dir, "train", shuffle=True, seed=cfg.seed)
+        return train, ShardStream.from_folder(cfg.data_dir, "test")
+
+
+def _holds_shards(data_dir: str) -> bool:
+    from paratrain.data.shards import is_shard_folder
+
+    return is_shard_folder(data_dir)

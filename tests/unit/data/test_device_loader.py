@@ -127,11 +127,11 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
 
 
 def test_loaders_that_cannot_be_split_are_kept_for_one_process_and_refused_for_more() -> None:
-    stream = DataLoader(_Stream(), batch_size=2)
+    stream = DataLoader(_Stream(), batch_size=None)  # batches of its own: items split
     subset = DataLoader(_data(), batch_size=2, sampler=SubsetRandomSampler([0, 1]))
     unbatched = DataLoader(_data(), batch_size=None)
     for loader, message in [
-        (stream, "map-style"),
+        (stream, "needs the loader to split the _Stream itself"),
         (unbatched, "loader with batch_size"),
         (subset, "SubsetRandomSampler"),
     ]:
@@ -247,7 +247,7 @@ def test_rank_0s_draw_is_what_every_rank_agrees_on() -> None:
 def test_loaders_that_cannot_be_split_say_how_to_build_one() -> None:
     with pytest.raises(UserError) as raised:
         shard_loader(
-            DataLoader(_Stream(), batch_size=2),
+            DataLoader(_Stream(), batch_size=None),
             rank=0,
             world_size=2,
             seed=0,
@@ -255,9 +255,9 @@ def test_loaders_that_cannot_be_split_say_how_to_build_one() -> None:
             pin_memory=False,
         )
     assert str(raised.value) == (
-        "training on 2 processes needs a map-style dataset (__len__ and __getitem__): an "
-        "IterableDataset's parts may hold different numbers of batches, and every process "
-        "takes every step; evaluation=True splits one"
+        "training on 2 processes needs the loader to split the _Stream itself: build the "
+        "DataLoader with a batch_size and a data set that does not split itself (see 'Data "
+        "at scale' in the docs), or use a map-style dataset"
     )
     subset = DataLoader(_data(), batch_size=2, sampler=SubsetRandomSampler([0, 1]))
     with pytest.raises(UserError) as raised:

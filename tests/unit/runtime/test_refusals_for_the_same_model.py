@@ -43,7 +43,9 @@ def test_sync_batchnorm_refuses_a_last_batch_smaller_than_the_processes() -> Non
 
 def test_fsdp_refuses_an_iterable_data_set_on_several_processes() -> None:
     rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu")
-    with pytest.raises(UserError, match=r"^--strategy fsdp: an IterableDataset cannot be split"):
+    with pytest.raises(
+        UserError, match=r"^--strategy fsdp: an IterableDataset cannot be evaluated"
+    ):
         _refuse_uneven_forwards(rt.strategy, 2)
     _refuse_uneven_forwards(paratrain.Runtime(strategy="ddp", devices="cpu,cpu").strategy, 2)
 

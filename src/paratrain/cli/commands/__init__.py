@@ -14,4 +14,5 @@ COMMAND_MODULES = (
     "doctor",
     "export",
     "tune",
+    "data",
 )
