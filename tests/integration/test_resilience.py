@@ -223,7 +223,7 @@ def test_paratrain_train_names_a_rank_stuck_in_python(
 ) -> None:
     """--hang-timeout reaches the watchdog of either launcher (rt.launch's, or torchrun's
     agent under --max-restarts) as a parameter."""
-    args = ["train", *CPU2, "--max-steps", "40", "--no-progress", "--hang-timeout", "4"]
+    args = ["train", *CPU2, "--max-steps", "40", "--no-progress", "--hang-timeout", "8"]
     args += list(launcher)
     result = paratrain(*args, "--out", "run", cwd=tmp_path, PARATRAIN_TEST_FAULT="stall:1:5")
     err = result.stderr

@@ -24,7 +24,11 @@ What a spawned process would have had, a forked one is given explicitly:
 * standard output and error: the server's are the ones of when it started (another test's
   capture, a closed terminal); the launcher's descriptors travel with the process
   (multiprocessing's ``DupFd``) and take their place;
-* the working directory and ``sys.path``: multiprocessing hands them on itself.
+* the working directory and ``sys.path``: multiprocessing hands them on itself;
+* the launcher's multiprocessing start method (``fork`` on Linux unless the program chose
+  one): multiprocessing gives a process forked from the server the server's, and a
+  DataLoader's workers would then start through a fork server of the rank's own, each
+  importing the program's main module (torch with it) again, seconds per worker per epoch.
 
 Libraries that read the environment when they load (OpenMP's ``OMP_WAIT_POLICY``) read
 the server's: the launcher starts the server inside the first launch's environment
@@ -98,6 +102,8 @@ class Inheritance:
 
     def __init__(self, variables: Mapping[str, str], method: str) -> None:
         self.variables = dict(variables)
+        #: the launcher's own choice, None for the platform's default
+        self.start_method = multiprocessing.get_start_method(allow_none=True)
         self.streams: list[Any] = []
         for stream in (sys.stdout, sys.stderr) if method == "forkserver" else ():
             try:
@@ -108,6 +114,7 @@ class Inheritance:
     def adopt(self) -> None:
         """In the new process: the launcher's environment, output and error streams."""
         environment.replace(self.variables)
+        multiprocessing.set_start_method(self.start_method, force=True)
         for target, descriptor in zip((1, 2), self.streams, strict=False):
             if descriptor is not None:
                 stream = sys.stdout if target == 1 else sys.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers.cli import subprocess_env
@@ -58,3 +59,41 @@ def test_the_command_forks_only_while_it_is_clean(then: str, expected: str) -> N
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == expected.split()
+
+
+_START_METHODS = """
+import multiprocessing
+import torch
+import paratrain
+
+METHODS = ["fork", "forkserver", "spawn"]
+
+def start_method(rt):
+    mine = torch.tensor([METHODS.index(multiprocessing.get_start_method())])
+    return " ".join(METHODS[int(t)] for t in rt.all_gather(mine))
+
+if __name__ == "__main__":
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu")
+    print(rt.launch(start_method))
+    multiprocessing.set_start_method("spawn", force=True)
+    print(rt.launch(start_method))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork is Linux's")
+def test_ranks_start_their_own_processes_the_way_the_launcher_would(tmp_path: Path) -> None:
+    """A rank forked from the fork server keeps its launcher's start method (Linux's fork
+    unless the program chose another), so its DataLoader workers are forked, not started
+    through a fork server of its own that imports the program again for every worker."""
+    script = tmp_path / "start_methods.py"
+    script.write_text(_START_METHODS)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["fork fork", "spawn spawn"]
