@@ -248,12 +248,25 @@ class RuntimeConfig:
         flag="--no-collective-check",
         cli={"action": "store_false", "default": None},
     )
+    replicate: int = option(
+        1,
+        "copies of the layout, data parallel across them (every process still takes its own "
+        "part of each batch); the strategy's own dimension gets the processes // replicate: "
+        "fsdp shards within a copy and all-reduces across copies (HSDP, "
+        "paratrain.distributed.mesh)",
+        flag="--replicate",
+        check=_at_least_one("--replicate"),
+        cli={"type": int, "metavar": "N"},
+    )
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
             check = spec.metadata.get("check")
             if check is not None:
                 object.__setattr__(self, spec.name, check(getattr(self, spec.name)))
+        from paratrain.strategies import check_replicate
+
+        check_replicate(self.strategy, self.replicate)
 
     @classmethod
     def of(cls, **given: Any) -> RuntimeConfig:
@@ -302,7 +315,12 @@ class RuntimeConfig:
         """What the strategy is built with: its choice's options, the run's precision."""
         from paratrain.strategies import options_for
 
-        return options_for(self.strategy, self.precision, collective_check=self.collective_check)
+        return options_for(
+            self.strategy,
+            self.precision,
+            collective_check=self.collective_check,
+            replicate=self.replicate,
+        )
 
     def validate(self) -> RuntimeConfig:
         """Checks the strategy and devices too (the options are checked when built)."""

@@ -80,6 +80,7 @@ class Runtime:
         hang_timeout: float | None = None,
         agreement_seconds: float = 1.0,
         collective_check: bool = True,
+        replicate: int = 1,
     ) -> None:
         # the keywords, each declared once in RuntimeConfig (the docstring, set below this
         # class, lists them from their declarations)

@@ -31,6 +31,7 @@ from paratrain.strategies.choices import (
     DPBalanced,
     Pipeline,
     StrategyChoice,
+    check_replicate,
     choose,
     flat_default,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "StrategyChoice",
     "StrategyOptions",
     "build_strategy",
+    "check_replicate",
     "check_sync_batchnorm",
     "choose",
     "count_processes",

@@ -38,6 +38,9 @@ class StrategyOptions:
     pipeline_schedule: str = "1f1b"
     #: pipeline: micro-batches per batch (fewer where the batch does not split evenly)
     pipeline_microbatches: int = 4
+    #: copies of the layout, data parallel across them; the layout's own dimension gets
+    #: the processes // replicate (fsdp: HSDP, paratrain.distributed.mesh)
+    replicate: int = 1
     #: the processes compare their collectives when one waits long in one
     #: (paratrain.distributed.collective_order); False: off
     collective_check: bool = True

@@ -36,6 +36,8 @@ class StrategyChoice:
     name: str = AUTO
     #: the flat keyword (``Runtime(...)``, ``TrainConfig``, ``--flag``) -> this class's field
     flat: ClassVar[Mapping[str, str]] = {}
+    #: the layout runs in several copies (``replicate``), data parallel across them
+    replicates: ClassVar[bool] = False
 
     def flat_options(self) -> dict[str, Any]:
         """This choice's options under their flat keywords (``fsdp_blocks``, ...)."""
@@ -90,6 +92,7 @@ class FSDP(StrategyChoice):
     name: str = field(default="fsdp", init=False)
     blocks: tuple[str, ...] = ()
     flat: ClassVar[Mapping[str, str]] = {"fsdp_blocks": "blocks"}
+    replicates: ClassVar[bool] = True  # HSDP: sharded within a copy, replicated across
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", _names(self.blocks))
@@ -135,6 +138,17 @@ CHOICES: dict[str, type[StrategyChoice]] = {
 FLAT_OWNERS: dict[str, type[StrategyChoice]] = {
     flat: cls for cls in CHOICES.values() for flat in cls.flat
 }
+
+
+def check_replicate(choice: StrategyChoice, replicate: int) -> None:
+    """Refuses ``replicate`` copies of a layout that cannot run in several yet."""
+    if replicate == 1 or choice.replicates:
+        return
+    able = [name for name, cls in CHOICES.items() if cls.replicates]
+    raise UserError(
+        f"--replicate applies to --strategy {', '.join(able)} only, not {choice.name}; drop "
+        f"--replicate or use --strategy {able[0]}"
+    )
 
 
 def flat_default(flat: str) -> Any:

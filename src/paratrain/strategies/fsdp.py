@@ -6,6 +6,11 @@ ddp's; only the model wrapping differs. Each block (see :mod:`.blocks`) becomes 
 unit, then the root. Gradients are reduce-scattered and averaged over the processes like
 ddp's all-reduce, so the loss weights of uneven last batches are the same.
 
+HSDP (``replicate=R``): the processes form an R x (N/R) mesh (:mod:`paratrain.distributed.mesh`);
+each row of N/R consecutive ranks shards the model as above, and the rows are replicas:
+gradients are reduce-scattered within a row, then all-reduced across rows, averaged over
+all N processes as before. Data stays split over all N processes.
+
 Mixed precision: under ``bf16``/``fp16`` the parameters are gathered in that dtype
 (``MixedPrecisionPolicy``) and gradients reduced in float32; the sharded parameters and the
 optimizer stay float32. paratrain's autocast still wraps the forward, so the operations it
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from paratrain.distributed.dtensors import shard_like
+from paratrain.distributed.mesh import device_mesh, mesh_shape
 from paratrain.models.meta_init import MetaInit, is_meta, release
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.blocks import choose_blocks, has_parameters
@@ -54,6 +60,7 @@ class FSDPStrategy(DDPStrategy):
         refused = self.precision_refused(self.options.precision)
         if refused is not None:
             raise UserError(refused)
+        mesh_shape(self.collective.world_size, self.options.replicate)  # refused if uneven
         #: id of each parameter before sharding -> the sharded parameter replacing it
         self._replaced: dict[int, nn.Parameter] = {}
 
@@ -83,12 +90,12 @@ class FSDPStrategy(DDPStrategy):
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         self.check_model(model)
         before = {name: param for name, param in model.named_parameters()}
-        mesh = init_device_mesh(self.root_device.type, (self.collective.world_size,))
+        world_size, replicate = self.collective.world_size, self.options.replicate
+        mesh = device_mesh(self.root_device.type, world_size, replicate)
         policy = self.mp_policy()
         init = self.meta_init if is_meta(model) else None
         for block in choose_blocks(model, self.options.fsdp_blocks):
@@ -131,7 +138,13 @@ class FSDPStrategy(DDPStrategy):
         return contextlib.nullcontext()
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "fsdp_blocks": list(self.options.fsdp_blocks)}
+        described = {**super().describe(), "fsdp_blocks": list(self.options.fsdp_blocks)}
+        if self.options.replicate > 1:
+            described["mesh"] = {"replicate": self.options.replicate, "shard": self._shard_size()}
+        return described
+
+    def _shard_size(self) -> int:
+        return mesh_shape(self.collective.world_size, self.options.replicate)[-1]
 
 
 def _materialized(init: MetaInit | None, module: nn.Module) -> list[torch.Tensor]:

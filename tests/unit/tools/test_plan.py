@@ -17,6 +17,8 @@ from paratrain.cli.commands.plan import parse_size, recipe_builder
 from paratrain.cli.main import main
 from paratrain.models import GPT
 from paratrain.tools.plan import plan_memory, trace_step
+from paratrain.tools.plan.layouts import layouts, per_device
+from paratrain.tools.plan.trace import Breakdown, StepTrace
 
 
 def _gpt(width: int) -> Any:
@@ -152,6 +154,24 @@ def test_pipeline_activations_sit_in_the_stage_whose_layers_make_them() -> None:
             assert first.activations > 8 * last.activations
         else:
             assert last.activations > 2 * first.activations
+
+
+def test_hsdp_shards_over_one_copy_only() -> None:
+    """On 4 devices hsdp 2x2 (fsdp --replicate 2) holds each process's shard of 1/2 of the
+    parameters, gradients and optimizer state (fsdp x4: 1/4) and the same activations (a 1/4
+    part of the batch); 3 devices make no two equal copies. (Against FSDPMemTracker in 4 real
+    processes: docs/strategies/two-dimensional.md.)"""
+    chosen = {layout.name: layout for layout in layouts(4, "cpu")}
+    assert chosen["hsdp 2x2"].replicate == 2 and chosen["hsdp 2x2"].per_device(16) == 4
+    assert not any(name.startswith("hsdp") for name in (x.name for x in layouts(3, "cpu")))
+    peak = Breakdown(parameters=800, gradients=800, optimizer=1600, activations=400, other=40)
+    trace = StepTrace(4, peak, 0, parameter_bytes=800, largest_block_bytes=100)
+    fsdp = per_device(chosen["fsdp"], trace, trace)
+    hsdp = per_device(chosen["hsdp 2x2"], trace, trace)
+    assert len(hsdp) == 4 and len(set(hsdp)) == 1
+    # sharded over 2: 400 parameters, + the two largest blocks gathered beyond the own shard
+    assert hsdp[0] == Breakdown(400, 400 + 100, 800, 400, 40)
+    assert fsdp[0] == Breakdown(200 + 0, 200 + 100, 400, 400, 40)
 
 
 @pytest.mark.slow

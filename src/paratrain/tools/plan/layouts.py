@@ -12,6 +12,8 @@ changes:
 * ``dp-balanced`` xN: as ``dp``, but the outputs stay where they were computed;
 * ``fsdp`` xN: parameters, gradients and optimizer state 1/N each, plus the gathered
   parameters (and gradients) of the two largest blocks at a time and what no block holds;
+* ``hsdp`` RxS (``fsdp --replicate R``, from 4 devices, R = 2): as ``fsdp`` over the S = N/R
+  processes of one copy, each process still a 1/N part of the batch;
 * ``pipeline`` xN: each stage the parameters, all the gradients and the optimizer state of
   its layers (where the pipeline cuts the model; 1/N where the trace was not asked to cut),
   and its own layers' share of the activations (as their outputs are; 1/N where not cut) of
@@ -37,6 +39,8 @@ class Layout:
     per_device: Callable[[int], int]
     #: the model is cut into stages, one per device (a model that cannot be cut: no row)
     staged: bool = False
+    #: copies of the layout (``--replicate``): sharded over processes // replicate
+    replicate: int = 1
 
 
 def layouts(devices: int, accelerator: str) -> list[Layout]:
@@ -47,7 +51,10 @@ def layouts(devices: int, accelerator: str) -> list[Layout]:
     part = _part(devices)
     names: tuple[str, ...] = ("dp", "dp-balanced") if accelerator == "cuda" else ()
     names += ("ddp", "fsdp", "pipeline")
-    return [single] + [Layout(name, devices, part, name == "pipeline") for name in names]
+    found = [single] + [Layout(name, devices, part, name == "pipeline") for name in names]
+    if devices >= 4 and devices % 2 == 0:  # two copies, each sharded over half the devices
+        found.append(Layout(f"hsdp 2x{devices // 2}", devices, part, replicate=2))
+    return found
 
 
 def _part(devices: int) -> Callable[[int], int]:
@@ -82,11 +89,12 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
         replica = peak.scaled(optimizer=0.0)
         first = peak.plus(other=whole.output_bytes) if layout.name == "dp" else peak
         return [first] + [replica] * (n - 1)
-    if layout.name == "fsdp":
+    if layout.name == "fsdp" or layout.replicate > 1:
+        shard = n // layout.replicate  # processes one copy is sharded over
         whole_model = trace.parameter_bytes
         gathered = min(2 * trace.largest_block_bytes + trace.unblocked_bytes, whole_model)
-        gathered = max(0, gathered - whole_model // n)  # beyond this process's own shard
-        sharded = peak.scaled(parameters=1 / n, gradients=1 / n, optimizer=1 / n)
+        gathered = max(0, gathered - whole_model // shard)  # beyond this process's own shard
+        sharded = peak.scaled(parameters=1 / shard, gradients=1 / shard, optimizer=1 / shard)
         return [sharded.plus(parameters=gathered, gradients=trace.largest_block_bytes)] * n
     if layout.name == "pipeline":
         microbatches = 4
