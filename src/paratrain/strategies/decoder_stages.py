@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -217,7 +217,7 @@ class DecoderStage(nn.Module):
         the micro-batches' losses add up to the batch's."""
         from transformers.loss.loss_utils import LOSS_MAPPING
 
-        causal_lm_loss: Callable[..., Tensor] = LOSS_MAPPING["ForCausalLM"]
+        causal_lm_loss = cast(Callable[..., Tensor], LOSS_MAPPING["ForCausalLM"])
         count = torch.tensor(items, device=logits.device)
         loss = causal_lm_loss(
             logits=logits, labels=labels, vocab_size=self.config.vocab_size,
