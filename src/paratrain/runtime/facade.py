@@ -276,11 +276,17 @@ class Runtime:
 
     # -- the step ----------------------------------------------------------------------------
     def forward_backward(
-        self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, target: Any
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        inputs: Any,
+        target: Any,
     ) -> torch.Tensor:
         """``loss = loss_fn(model(inputs), target)`` and ``rt.backward(loss)`` in one call,
         which every strategy runs, ``pipeline`` included (there forward and backward run
-        together, micro-batch by micro-batch). Returns the loss."""
+        together, micro-batch by micro-batch). Returns the loss. ``loss_fn=None``: the
+        model's own loss, ``model(inputs, labels=target).loss`` (Hugging Face's models;
+        under ``pipeline``, a GPT-2 or Llama decoder's, computed on the last stage)."""
         return self._groups.step.forward_backward(model, loss_fn, inputs, target)
 
     def backward(self, loss: torch.Tensor) -> None:

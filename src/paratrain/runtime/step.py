@@ -91,13 +91,26 @@ class TrainingStep:
 
     # -- the entry points --------------------------------------------------------------------
     def forward_backward(
-        self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, target: Any
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        inputs: Any,
+        target: Any,
     ) -> torch.Tensor:
         rt = self.rt
         self.begin(batch_info(inputs, target))
         if rt.strategy.trains_in_pipeline:
             with rt.strategy.collective.operation("rt.forward_backward"):
                 return self._pipeline_step(model, loss_fn, inputs, target)
+        if loss_fn is None:  # the model's own loss (Hugging Face's labels=...: .loss)
+            if rt.micro_batches.active:
+                raise UserError(
+                    "--oom auto cuts a batch and needs the loss function: "
+                    "rt.forward_backward(model, loss_fn, x, y), not the model's own loss"
+                )
+            loss: torch.Tensor = model(inputs, labels=target).loss
+            self.backward(loss)
+            return loss
         if rt.micro_batches.active:
             self._in_pieces = True
             try:
@@ -255,7 +268,11 @@ class TrainingStep:
 
     # -- the pipeline's schedule: forward and backward together ------------------------------
     def _pipeline_step(
-        self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], inputs: Any, target: Any
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        inputs: Any,
+        target: Any,
     ) -> torch.Tensor:
         rt = self.rt
         state, strategy = rt.state, rt.strategy

@@ -164,7 +164,7 @@ class Strategy(ABC):
         model: nn.Module,
         inputs: Any,
         target: Any,
-        loss_fn: Callable[..., torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor] | None,
         scale: float,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch together, for ``trains_in_pipeline``

@@ -16,11 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.models.meta_init import is_meta
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
+from paratrain.strategies.decoder_stages import tied_parameters
 from paratrain.strategies.pipeline_plan import batchnorm_refusal, plan_stages
 from paratrain.strategies.pipelined_model import SCHEDULES, LossFn, PipelinedModel
 from paratrain.strategies.registry import register
@@ -116,6 +118,10 @@ class PipelineStrategy(DDPStrategy):
         full_shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if self.meta_init is not None and is_meta(model):  # only this stage gets storage
             self.meta_init.materialize([stages[index]])
+        tied = tied_parameters(stages)  # a head tied to the embedding: first and last stage
+        # every process makes the group (a collective); only the two stages use it
+        group = dist.new_group([0, count - 1]) if tied and count > 2 else None
+        mine = index in (0, count - 1)
         pipelined = PipelinedModel(
             stages[index],
             index,
@@ -125,6 +131,8 @@ class PipelineStrategy(DDPStrategy):
             self.options.pipeline_schedule,
             self.options.pipeline_microbatches,
             _DTYPES.get(self.options.precision),
+            tied if mine else (),
+            group,
         )
         self._stage_parameters = list(pipelined.parameters())
         return pipelined.to(self.root_device)
@@ -144,7 +152,7 @@ class PipelineStrategy(DDPStrategy):
                 del optimizer.state[param]
 
     def train_step(
-        self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, scale: float
+        self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None, scale: float
     ) -> torch.Tensor | None:
         if not isinstance(model, PipelinedModel):
             raise UserError(

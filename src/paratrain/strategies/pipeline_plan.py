@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 
+from paratrain.strategies import decoder_stages
 from paratrain.strategies.blocks import default_blocks, has_parameters
 from paratrain.utils.errors import UserError
 
@@ -36,6 +37,9 @@ def plan_stages(
         )
     if not has_parameters(model):
         raise UserError(f"--strategy pipeline splits layers, and {type(model).__name__} has none")
+    layout = decoder_stages.decoder_layout(model)
+    if layout is not None:  # a Hugging Face decoder: cut at its blocks, no tracing
+        return _decoder_stages(model, layout, num_stages, split_points)
     names = {id(module): name for name, module in model.named_modules()}
     if split_points:
         units = _named_units(model, split_points, num_stages)
@@ -45,6 +49,44 @@ def plan_stages(
     order = _called_in_order(traced, [names[id(unit)] for unit in units], bool(split_points))
     points = order if split_points else _balanced_points(model, traced, order, num_stages)
     return _cut(model, traced, points)
+
+
+def _decoder_stages(
+    model: nn.Module,
+    layout: decoder_stages.DecoderLayout,
+    num_stages: int,
+    split_points: Sequence[str],
+) -> list[nn.Module]:
+    kind = type(model).__name__
+    unsupported = decoder_stages.unsupported_config(model, layout)
+    if unsupported is not None:
+        raise UserError(
+            f"--strategy pipeline cuts {kind} at its blocks, but {unsupported}; train it "
+            "with --strategy fsdp or ddp"
+        )
+    blocks = decoder_stages.block_names(model, layout)
+    if split_points:
+        _named_units(model, split_points, num_stages)
+        unknown = [name for name in split_points if name not in blocks]
+        if unknown:
+            raise UserError(
+                f"--pipeline-split {','.join(unknown)}: {kind} is cut between its blocks; "
+                f"name blocks that start stages 2, 3, ... ({blocks[1]}, ...)"
+            )
+        starts = [blocks.index(name) for name in split_points]
+        if starts != sorted(set(starts)) or 0 in starts:
+            raise UserError(
+                f"--pipeline-split {','.join(split_points)}: name blocks after the first, in "
+                "the order the model runs them"
+            )
+    elif len(blocks) < num_stages:
+        raise UserError(
+            f"--strategy pipeline with {num_stages} stages needs at least {num_stages} blocks "
+            f"to split between, and {kind} has {len(blocks)}; use fewer processes"
+        )
+    else:
+        starts = _min_max_partition(decoder_stages.segment_weights(model, layout), num_stages)
+    return decoder_stages.build_stages(model, layout, starts)
 
 
 def _named_units(model: nn.Module, split_points: Sequence[str], num_stages: int) -> list[nn.Module]:
@@ -122,9 +164,9 @@ def _trace(model: nn.Module, points: Sequence[str]) -> fx.GraphModule:
         raise UserError(
             f"--strategy pipeline could not follow {type(model).__name__}.forward down to its "
             f"split points ({first}): its forward has control flow or calls that torch.fx "
-            "cannot trace (Hugging Face and timm models do). Train it with --strategy fsdp "
-            "(shards it across the processes, no tracing) or ddp; a model of your own can be "
-            "split at top-level modules, or written as an nn.Sequential"
+            "cannot trace. Train it with --strategy fsdp (shards it across the processes, no "
+            "tracing) or ddp; pipeline cuts an nn.Sequential, a model whose forward torch.fx "
+            "follows, and Hugging Face's GPT-2 and Llama causal LMs (at their blocks)"
         ) from None
     return fx.GraphModule(model, graph)
 

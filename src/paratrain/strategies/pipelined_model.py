@@ -13,7 +13,7 @@ The stage's modules are this module's own children under the full model's names,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ class PipelinedModel(nn.Module):
         schedule: str = "1f1b",
         microbatches: int = 4,
         autocast_dtype: torch.dtype | None = None,
+        tied: Sequence[nn.Parameter] = (),
+        tie_group: Any = None,
     ) -> None:
         super().__init__()
         for name, child in stage.named_children():
@@ -60,6 +62,11 @@ class PipelinedModel(nn.Module):
         self._schedules: dict[tuple[int, int], Any] = {}
         self._loss_fn: LossFn | None = None
         self._weight = 1.0
+        #: the whole batch's label count, for a model's own loss (loss_fn None)
+        self._items = 0
+        #: parameters the first and the last stage both hold (a head tied to the embedding),
+        #: and the group of those two stages that sums their gradients
+        self._tied, self._tie_group = list(tied), tie_group
 
     @property
     def is_first(self) -> bool:
@@ -75,17 +82,26 @@ class PipelinedModel(nn.Module):
 
     # -- training ----------------------------------------------------------------------------
     def train_step(
-        self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: LossFn, scale: float = 1.0
+        self,
+        inputs: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: LossFn | None,
+        scale: float = 1.0,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch through every stage, in micro-batches. Returns
         the batch's mean loss on the last stage, None on the others: the runtime shares it
         in the step's one small all-reduce (:mod:`paratrain.runtime.agreement`). Gradients
-        are those of ``scale`` x the batch's mean loss, whatever the micro-batch sizes."""
+        are those of ``scale`` x the batch's mean loss, whatever the micro-batch sizes.
+        ``loss_fn`` None: the model's own loss from ``labels=target`` (a Hugging Face
+        decoder's, labels shifted inside)."""
         rows = int(inputs.shape[0])
         micro = _micro_batches(rows, self.microbatches)
         schedule = self._schedule(rows, micro)
         self._loss_fn, self._weight = loss_fn, scale / rows
+        if loss_fn is None:  # the model's own loss: labels counted over the whole batch
+            self._items, self._weight = self._count_labels(target), scale
         losses: list[torch.Tensor] = []  # the micro-batches' weighted losses
+        before = [p.grad for p in self._tied]
         with self._autocast():
             if self.is_first:
                 schedule.step(inputs)
@@ -93,6 +109,7 @@ class PipelinedModel(nn.Module):
                 schedule.step(target=target, losses=losses)
             else:
                 schedule.step()
+        self._sum_tied_gradients(before)
         if not self.is_last:
             return None
         mine = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -120,9 +137,36 @@ class PipelinedModel(nn.Module):
     def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's mean loss weighted by its share of the batch: the micro-batches'
         gradients add up to the batch mean's."""
-        assert self._loss_fn is not None
-        loss = self._loss_fn(output, target)
+        if self._loss_fn is None:  # already a share of the whole batch's labels
+            own: torch.Tensor = cast(Any, self.stage).own_loss(output, target, self._items)
+            return own * self._weight
+        loss = self._loss_fn(self._present(output), target)
         return loss * (int(target.shape[0]) * self._weight)
+
+    def _count_labels(self, target: torch.Tensor) -> int:
+        count = getattr(self.stage, "label_count", None)
+        if count is None:
+            raise UserError(
+                "rt.forward_backward(model, None, x, y) trains on the model's own loss, and "
+                "under --strategy pipeline only a Hugging Face decoder computes one; pass a "
+                "loss function"
+            )
+        return int(count(target))
+
+    def _present(self, output: Any) -> Any:
+        """The last stage's output as the user's code sees it (a Hugging Face decoder's
+        ``.logits`` in a ``ModelOutput``)."""
+        present = getattr(self.stage, "present", None)
+        return output if present is None else present(output)
+
+    def _sum_tied_gradients(self, before: Sequence[torch.Tensor | None]) -> None:
+        """A tied parameter's gradient is the sum of the first stage's and the last's: each
+        adds the other's part of this step (``before``: what it held, under accumulation)."""
+        for param, held in zip(self._tied, before, strict=True):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            step = grad if held is None else grad - held
+            dist.all_reduce(step, group=self._tie_group)
+            param.grad = step if held is None else held + step
 
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -130,7 +174,8 @@ class PipelinedModel(nn.Module):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     # -- forward only ------------------------------------------------------------------------
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor, **options: Any) -> Any:
+        self._check_options(options)
         if torch.is_grad_enabled() and self.training:
             raise UserError(
                 "--strategy pipeline trains forward and backward together: use "
@@ -144,8 +189,28 @@ class PipelinedModel(nn.Module):
             output = self.stage(*values)
         if not self.is_last:
             _send(output if isinstance(output, tuple) else (output,), self.index + 1)
-            return _broadcast_output(None, self.count - 1, self.device)
-        return _broadcast_output(output, self.index, self.device)
+            output = _broadcast_output(None, self.count - 1, self.device)
+        else:
+            output = _broadcast_output(output, self.index, self.device)
+        labels = options.get("labels")
+        if labels is None:
+            return self._present(output)
+        presented = self._present(output)  # a decoder's own loss, on every process
+        presented.loss = cast(Any, self.stage).own_loss(output, labels, self._count_labels(labels))
+        return presented
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        """Keyword arguments of the model's forward: only what the stage can take."""
+        if not options:
+            return
+        refused = getattr(self.stage, "options_refused", None)
+        why = (
+            f"{', '.join(sorted(options))}: a stage takes its inputs positionally"
+            if refused is None
+            else refused(options)
+        )
+        if why is not None:
+            raise UserError(f"--strategy pipeline cannot pass the model {why}")
 
 
 def _micro_batches(rows: int, wanted: int) -> int:

@@ -216,3 +216,33 @@ def test_cuda_places_model_optimizer_state_and_batches() -> None:
         model(torch.randn(2, 10))
     trained = _train(paratrain.Runtime(strategy="cuda", seed=0))
     assert next(trained.parameters()).is_cuda
+
+
+class _OwnLoss(nn.Module):
+    """A model that computes its own loss from ``labels`` (Hugging Face's idiom)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> object:
+        logits = self.fc(x)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return type("Output", (), {"logits": logits, "loss": loss})()
+
+
+def test_forward_backward_without_a_loss_function_trains_on_the_models_own_loss() -> None:
+    """rt.forward_backward(model, None, x, y): model(x, labels=y).loss and its backward, the
+    loop that pipeline's stages run too."""
+    torch.manual_seed(0)
+    model = _OwnLoss()
+    expected = _OwnLoss()
+    expected.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 4), torch.randint(3, (8,))
+    rt = paratrain.Runtime(strategy="cpu", seed=0)
+    model = rt.setup(model)
+    loss = rt.forward_backward(model, None, x, y)
+    reference = expected(x, labels=y).loss
+    reference.backward()
+    assert torch.equal(loss, reference)
+    assert torch.equal(model.fc.weight.grad, expected.fc.weight.grad)
