@@ -1,5 +1,6 @@
 """The processes of a run laid out in two dimensions: ``replicate`` copies of a layout, each
-over ``world_size // replicate`` processes (the layout's own dimension, ``shard``).
+over ``world_size // replicate`` processes (the layout's own dimension: ``shard`` for fsdp,
+``stage`` for a pipeline).
 
 Ranks fill the mesh row by row, so the processes of one copy are consecutive ranks: under
 torchrun one copy sits on one machine and only the replicas' traffic crosses machines.
@@ -16,6 +17,8 @@ if TYPE_CHECKING:  # torch.distributed.device_mesh loads DTensor: imported when 
 
 #: the names of the mesh's dimensions, outer first
 REPLICATE, SHARD = "replicate", "shard"
+#: a pipeline's own dimension: its stages
+STAGE = "stage"
 
 
 def mesh_shape(world_size: int, replicate: int = 1) -> tuple[int, ...]:
@@ -34,14 +37,23 @@ def mesh_shape(world_size: int, replicate: int = 1) -> tuple[int, ...]:
     return (replicate, world_size // replicate)
 
 
-def mesh_names(shape: tuple[int, ...]) -> tuple[str, ...]:
-    """The dimension names of a mesh of ``shape`` (:func:`mesh_shape`'s)."""
-    return (SHARD,) if len(shape) == 1 else (REPLICATE, SHARD)
+def mesh_names(shape: tuple[int, ...], inner: str = SHARD) -> tuple[str, ...]:
+    """The dimension names of a mesh of ``shape`` (:func:`mesh_shape`'s); ``inner``: the
+    layout's own dimension."""
+    return (inner,) if len(shape) == 1 else (REPLICATE, inner)
 
 
-def device_mesh(device_type: str, world_size: int, replicate: int = 1) -> DeviceMesh:
+def coordinates(rank: int, world_size: int, replicate: int = 1) -> tuple[int, int]:
+    """``rank``'s place in the mesh: (its copy, its index inside the copy)."""
+    copy, index = divmod(rank, mesh_shape(world_size, replicate)[-1])
+    return copy, index
+
+
+def device_mesh(
+    device_type: str, world_size: int, replicate: int = 1, inner: str = SHARD
+) -> DeviceMesh:
     """The ``DeviceMesh`` of every process of the run (a collective: all call it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = mesh_shape(world_size, replicate)
-    return init_device_mesh(device_type, shape, mesh_dim_names=mesh_names(shape))
+    return init_device_mesh(device_type, shape, mesh_dim_names=mesh_names(shape, inner))

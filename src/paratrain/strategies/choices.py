@@ -113,6 +113,7 @@ class Pipeline(StrategyChoice):
         "pipeline_schedule": "schedule",
         "pipeline_microbatches": "microbatches",
     }
+    replicates: ClassVar[bool] = True  # copies of the pipeline, each on its part of a batch
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split", _names(self.split))

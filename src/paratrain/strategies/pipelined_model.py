@@ -27,7 +27,9 @@ LossFn = Callable[..., torch.Tensor]
 
 
 class PipelinedModel(nn.Module):
-    """Stage ``index`` of ``count``; its process's rank is its index."""
+    """Stage ``index`` of ``count``; its process's rank is ``first_rank + index`` (the
+    pipeline's first stage's rank: 0, or a copy's under ``--replicate``), ``stage_group``
+    the pipeline's processes (None: every process of the run)."""
 
     #: a part of the model: checkpoints gather the parts, ``load_weights`` loads its part
     holds_part_of_model = True
@@ -46,6 +48,8 @@ class PipelinedModel(nn.Module):
         autocast_dtype: torch.dtype | None = None,
         tied: Sequence[nn.Parameter] = (),
         tie_group: Any = None,
+        stage_group: Any = None,
+        first_rank: int = 0,
     ) -> None:
         super().__init__()
         for name, child in stage.named_children():
@@ -67,6 +71,7 @@ class PipelinedModel(nn.Module):
         #: parameters the first and the last stage both hold (a head tied to the embedding),
         #: and the group of those two stages that sums their gradients
         self._tied, self._tie_group = list(tied), tie_group
+        self._group, self._first = stage_group, first_rank
 
     @property
     def is_first(self) -> bool:
@@ -125,7 +130,9 @@ class PipelinedModel(nn.Module):
             # imported here: torch.distributed.pipelining loads torch._dynamo (a second)
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-            stage = PipelineStage(self.stage, self.index, self.count, self.device)
+            stage = PipelineStage(
+                self.stage, self.index, self.count, self.device, group=self._group
+            )
             one_f_one_b = self.schedule_name == "1f1b" and micro >= self.count
             kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
             # scale_grads=False: the loss below is already weighted by micro-batch size
@@ -183,15 +190,17 @@ class PipelinedModel(nn.Module):
                 "rt.backward(loss); under torch.no_grad() model(x) runs the pipeline forward"
             )
         with self._autocast():
+            rank = self._first + self.index
             values: Sequence[torch.Tensor] = (
-                inputs if self.is_first else _receive(self.index - 1, self.device)
+                inputs if self.is_first else _receive(rank - 1, self.device)
             )
             output = self.stage(*values)
+        last = self._first + self.count - 1
         if not self.is_last:
-            _send(output if isinstance(output, tuple) else (output,), self.index + 1)
-            output = _broadcast_output(None, self.count - 1, self.device)
+            _send(output if isinstance(output, tuple) else (output,), rank + 1)
+            output = _broadcast_output(None, last, self.device, self._group)
         else:
-            output = _broadcast_output(output, self.index, self.device)
+            output = _broadcast_output(output, last, self.device, self._group)
         labels = options.get("labels")
         if labels is None:
             return self._present(output)
@@ -237,15 +246,16 @@ def _receive(src: int, device: torch.device) -> list[torch.Tensor]:
     return received
 
 
-def _broadcast_output(output: Any, src: int, device: torch.device) -> Any:
-    """The last stage's output (a tensor or a tuple of tensors) on every process."""
+def _broadcast_output(output: Any, src: int, device: torch.device, group: Any = None) -> Any:
+    """The last stage's output (a tensor or a tuple of tensors) on every process of
+    ``group`` (``src``: a rank of the run)."""
     single = isinstance(output, torch.Tensor)
     tensors = [t.contiguous() for t in ([output] if single else list(output or ()))]
     holder: list[Any] = [[(tuple(t.shape), t.dtype) for t in tensors], single]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=group)
     meta, single = holder
     if output is None:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta]
     for tensor in tensors:
-        dist.broadcast(tensor, src=src)
+        dist.broadcast(tensor, src=src, group=group)
     return tensors[0] if single else tuple(tensors)
