@@ -73,8 +73,8 @@ def test_hsdp_2x2_trains_one_process_model_and_resumes_on_other_layouts(
     [
         (
             ("--strategy", "ddp", "--devices", "cpu,cpu", "--replicate", "2"),
-            "--replicate applies to --strategy fsdp only, not ddp; drop --replicate or use "
-            "--strategy fsdp",
+            "--replicate applies to --strategy fsdp, pipeline only, not ddp; drop --replicate "
+            "or use --strategy fsdp",
         ),
         (
             ("--strategy", "fsdp", "--devices", "cpu,cpu,cpu", "--replicate", "2"),
