@@ -250,10 +250,11 @@ class RuntimeConfig:
     )
     replicate: int = option(
         1,
-        "copies of the layout, data parallel across them (every process still takes its own "
-        "part of each batch); the strategy's own dimension gets the processes // replicate: "
-        "fsdp shards within a copy and all-reduces across copies (HSDP, "
-        "paratrain.distributed.mesh)",
+        "copies of the layout, data parallel across them (each copy takes its own part of "
+        "each batch); the strategy's own dimension gets the processes // replicate: fsdp "
+        "shards within a copy and all-reduces across copies (HSDP), pipeline runs one stage "
+        "per process of a copy and averages each stage's gradients across copies "
+        "(paratrain.distributed.mesh)",
         flag="--replicate",
         check=_at_least_one("--replicate"),
         cli={"type": int, "metavar": "N"},
