@@ -76,7 +76,9 @@ def parallelize(model: GPT, mesh: DeviceMesh) -> None:
     # a checkpoint's full tensors gather fsdp's and tp's shards one dimension after the
     # other; torch warns of the second collective (a reduction order would matter, a
     # gather's does not)
-    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_gathers_in_turn)
+    said = logging.getLogger("torch.distributed.tensor._redistribute")
+    if _gathers_in_turn not in said.filters:
+        said.addFilter(_gathers_in_turn)
 
 
 def _gathers_in_turn(record: logging.LogRecord) -> bool:
