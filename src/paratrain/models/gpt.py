@@ -32,8 +32,11 @@ class TransformerBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        batch, length, _ = x.shape
+        # under tensor parallelism qkv gives this process's heads only, and ``heads`` counts
+        # them (paratrain.strategies.tensor_parallel): the widths come from qkv's output
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=2)
+        width = q.shape[2]
         shape = (batch, length, self.heads, width // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -259,15 +259,26 @@ class RuntimeConfig:
         check=_at_least_one("--replicate"),
         cli={"type": int, "metavar": "N"},
     )
+    tp: int = option(
+        1,
+        "processes that split each layer between them (tensor parallel: attention heads and "
+        "the MLP's width), consecutive ranks that take the same batches; fsdp shards over "
+        "the processes // tp groups (a shard x tp mesh, paratrain.strategies.tensor_parallel); "
+        "fsdp and the built-in GPT only",
+        flag="--tp",
+        check=_at_least_one("--tp"),
+        cli={"type": int, "metavar": "N"},
+    )
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
             check = spec.metadata.get("check")
             if check is not None:
                 object.__setattr__(self, spec.name, check(getattr(self, spec.name)))
-        from paratrain.strategies import check_replicate
+        from paratrain.strategies import check_replicate, check_tp
 
         check_replicate(self.strategy, self.replicate)
+        check_tp(self.strategy, self.tp)
 
     @classmethod
     def of(cls, **given: Any) -> RuntimeConfig:
@@ -321,6 +332,7 @@ class RuntimeConfig:
             self.precision,
             collective_check=self.collective_check,
             replicate=self.replicate,
+            tp=self.tp,
         )
 
     def validate(self) -> RuntimeConfig:

@@ -81,6 +81,7 @@ class Runtime:
         agreement_seconds: float = 1.0,
         collective_check: bool = True,
         replicate: int = 1,
+        tp: int = 1,
     ) -> None:
         # the keywords, each declared once in RuntimeConfig (the docstring, set below this
         # class, lists them from their declarations)

@@ -32,6 +32,7 @@ from paratrain.strategies.choices import (
     Pipeline,
     StrategyChoice,
     check_replicate,
+    check_tp,
     choose,
     flat_default,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "build_strategy",
     "check_replicate",
     "check_sync_batchnorm",
+    "check_tp",
     "choose",
     "count_processes",
     "describe_strategies",

@@ -41,6 +41,9 @@ class StrategyOptions:
     #: copies of the layout, data parallel across them; the layout's own dimension gets
     #: the processes // replicate (fsdp: HSDP, paratrain.distributed.mesh)
     replicate: int = 1
+    #: processes that split each layer between them, tensor parallel (fsdp with the
+    #: built-in GPT: paratrain.strategies.tensor_parallel)
+    tp: int = 1
     #: the processes compare their collectives when one waits long in one
     #: (paratrain.distributed.collective_order); False: off
     collective_check: bool = True

@@ -38,6 +38,8 @@ class StrategyChoice:
     flat: ClassVar[Mapping[str, str]] = {}
     #: the layout runs in several copies (``replicate``), data parallel across them
     replicates: ClassVar[bool] = False
+    #: the layout's layers can be split across processes (``tp``, tensor parallel)
+    splits_layers: ClassVar[bool] = False
 
     def flat_options(self) -> dict[str, Any]:
         """This choice's options under their flat keywords (``fsdp_blocks``, ...)."""
@@ -93,6 +95,7 @@ class FSDP(StrategyChoice):
     blocks: tuple[str, ...] = ()
     flat: ClassVar[Mapping[str, str]] = {"fsdp_blocks": "blocks"}
     replicates: ClassVar[bool] = True  # HSDP: sharded within a copy, replicated across
+    splits_layers: ClassVar[bool] = True  # fsdp x tensor parallel
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", _names(self.blocks))
@@ -149,6 +152,17 @@ def check_replicate(choice: StrategyChoice, replicate: int) -> None:
     raise UserError(
         f"--replicate applies to --strategy {', '.join(able)} only, not {choice.name}; drop "
         f"--replicate or use --strategy {able[0]}"
+    )
+
+
+def check_tp(choice: StrategyChoice, tp: int) -> None:
+    """Refuses ``tp`` (tensor parallel) for a layout that cannot split its layers yet."""
+    if tp == 1 or choice.splits_layers:
+        return
+    able = [name for name, cls in CHOICES.items() if cls.splits_layers]
+    raise UserError(
+        f"--tp applies to --strategy {', '.join(able)} only, not {choice.name}; drop --tp or "
+        f"use --strategy {able[0]}"
     )
 
 

@@ -11,6 +11,10 @@ each row of N/R consecutive ranks shards the model as above, and the rows are re
 gradients are reduce-scattered within a row, then all-reduced across rows, averaged over
 all N processes as before. Data stays split over all N processes.
 
+Tensor parallel (``tp=T``): the processes form an (N/T) x T mesh ``("shard", "tp")``; each
+row of T consecutive ranks splits the built-in GPT's layers (:mod:`.tensor_parallel`) and sees
+the same batches, and fsdp shards what each holds over the N/T rows, which split the data.
+
 Mixed precision: under ``bf16``/``fp16`` the parameters are gathered in that dtype
 (``MixedPrecisionPolicy``) and gradients reduced in float32; the sharded parameters and the
 optimizer stay float32. paratrain's autocast still wraps the forward, so the operations it
@@ -22,18 +26,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from paratrain.distributed.dtensors import shard_like
-from paratrain.distributed.mesh import device_mesh, mesh_shape
+from paratrain.distributed.mesh import SHARD, TP, device_mesh, mesh_names, mesh_shape
+from paratrain.models.gpt import GPT
 from paratrain.models.meta_init import MetaInit, is_meta, release
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.blocks import choose_blocks, has_parameters
 from paratrain.strategies.ddp import DDPStrategy
 from paratrain.strategies.registry import register
+from paratrain.strategies.tensor_parallel import check_tp_model, parallelize, shard_placement
 from paratrain.utils.catalog import STRATEGIES
 from paratrain.utils.errors import UserError
 
@@ -60,7 +66,9 @@ class FSDPStrategy(DDPStrategy):
         refused = self.precision_refused(self.options.precision)
         if refused is not None:
             raise UserError(refused)
-        mesh_shape(self.collective.world_size, self.options.replicate)  # refused if uneven
+        self._shape = mesh_shape(  # refused if uneven
+            self.collective.world_size, self.options.replicate, self.options.tp
+        )
         #: id of each parameter before sharding -> the sharded parameter replacing it
         self._replaced: dict[int, nn.Parameter] = {}
 
@@ -80,6 +88,8 @@ class FSDPStrategy(DDPStrategy):
                 "use --strategy ddp or cpu"
             )
         choose_blocks(model, self.options.fsdp_blocks)  # unknown --fsdp-blocks names
+        if self.options.tp > 1:
+            check_tp_model(model, self.options.tp, self._shape[0])
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -94,17 +104,26 @@ class FSDPStrategy(DDPStrategy):
 
         self.check_model(model)
         before = {name: param for name, param in model.named_parameters()}
-        world_size, replicate = self.collective.world_size, self.options.replicate
-        mesh = device_mesh(self.root_device.type, world_size, replicate)
-        policy = self.mp_policy()
+        world_size, replicate, tp = (
+            self.collective.world_size,
+            self.options.replicate,
+            self.options.tp,
+        )
+        mesh = device_mesh(self.root_device.type, world_size, replicate, tp)
         init = self.meta_init if is_meta(model) else None
+        shard: dict[str, Any] = {"mesh": mesh, "mp_policy": self.mp_policy()}
+        if tp > 1:  # the layers split first, then fsdp shards each process's part
+            _materialized(init, model)
+            init = None
+            parallelize(cast(GPT, model), mesh[TP])
+            shard.update(mesh=mesh[SHARD], shard_placement_fn=shard_placement)
         for block in choose_blocks(model, self.options.fsdp_blocks):
             # a meta model: one whole block at a time, freed once its shard is kept
             whole = _materialized(init, block)
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(block, **shard)
             release(whole)
         whole = _materialized(init, model)  # what no block holds
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model, **shard)
         release(whole)
         after = dict(model.named_parameters())
         self._replaced = {id(param): after[name] for name, param in before.items()}
@@ -139,12 +158,26 @@ class FSDPStrategy(DDPStrategy):
 
     def describe(self) -> dict[str, Any]:
         described = {**super().describe(), "fsdp_blocks": list(self.options.fsdp_blocks)}
-        if self.options.replicate > 1:
-            described["mesh"] = {"replicate": self.options.replicate, "shard": self._shard_size()}
+        if len(self._shape) > 1:
+            names = mesh_names(self._shape, self.options.tp)
+            described["mesh"] = dict(zip(names, self._shape, strict=True))
         return described
 
-    def _shard_size(self) -> int:
-        return mesh_shape(self.collective.world_size, self.options.replicate)[-1]
+    @property
+    def _tp(self) -> int:
+        return self.options.tp
+
+    @property
+    def data_shards(self) -> int:
+        return self.collective.world_size // self._tp  # a tp group takes one part
+
+    @property
+    def data_rank(self) -> int:
+        return self.collective.rank // self._tp
+
+    @property
+    def data_leaders(self) -> list[int]:
+        return list(range(0, self.collective.world_size, self._tp))
 
 
 def _materialized(init: MetaInit | None, module: nn.Module) -> list[torch.Tensor]:

@@ -177,7 +177,7 @@ class PipelineStrategy(DDPStrategy):
         if self.options.replicate == 1:
             return None
         world = self.collective.world_size
-        mesh = device_mesh(self.root_device.type, world, self.options.replicate, STAGE)
+        mesh = device_mesh(self.root_device.type, world, self.options.replicate, inner=STAGE)
         self._copies_group = mesh.get_group("replicate")
         return mesh.get_group(STAGE)
 

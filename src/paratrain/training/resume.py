@@ -6,10 +6,10 @@ may change only what does not alter the training already done: ``--epochs`` and
 data position is a global batch index, the same in every layout), ``--data-dir`` (the same
 data moved), ``--data-path`` and ``--device-budget-gib`` (the same batches made another
 way), ``--save-every``, ``--keep``, ``--no-progress``, ``--deterministic``, ``--compile``,
-``--[no-]channels-last``, ``--download``, ``--tensorboard``, ``--threads`` and
-``--replicate``. Any other option that differs from the run's stops before training with a
-message naming each difference. Without ``--threads`` a resumed run uses the intra-op thread
-count the run recorded.
+``--[no-]channels-last``, ``--download``, ``--tensorboard``, ``--threads``,
+``--replicate`` and ``--tp``. Any other option that differs from the run's stops before
+training with a message naming each difference. Without ``--threads`` a resumed run uses the
+intra-op thread count the run recorded.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ CHANGEABLE = frozenset(
         "hang_timeout",
         "collective_check",
         "replicate",  # the layout's copies: the same global batches, any layout
+        "tp",  # the layers split across processes: the same model, any layout
     }
 )
 #: options of the command that continues a run, not inherited from the run's first command
@@ -150,7 +151,7 @@ def resume_config(path: str | Path, given: dict[str, Any]) -> TrainConfig:
         changes["devices"] = None  # the run's devices were meant for its strategy
     if "strategy" in given:  # the options of the run's strategy do not apply to another
         defaults = TrainConfig()
-        for name in (*FLAT_OWNERS, "replicate"):  # what only some strategies read
+        for name in (*FLAT_OWNERS, "replicate", "tp"):  # what only some strategies read
             changes.setdefault(name, given.get(name, defaults.option(name)))
     cfg = saved.replaced(
         **changes, out=str(run_dir), overwrite=False, resume_from=str(checkpoint)

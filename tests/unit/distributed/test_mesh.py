@@ -84,7 +84,7 @@ def test_ranks_fill_the_mesh_row_by_row(
 ) -> None:
     """rank -> (copy, place in the copy): one copy's processes are consecutive ranks."""
     assert [coordinates(r, world_size, replicate) for r in range(world_size)] == places
-    assert mesh_names(mesh_shape(world_size, replicate), STAGE)[-1] == STAGE
+    assert mesh_names(mesh_shape(world_size, replicate), inner=STAGE)[-1] == STAGE
 
 
 def test_a_pipeline_in_copies_splits_the_data_by_copy() -> None:

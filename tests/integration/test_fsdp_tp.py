@@ -1,0 +1,85 @@
+"""fsdp x tensor parallel (``--strategy fsdp --tp 2``) over 4 real gloo processes on the CPU:
+the built-in GPT split by heads and MLP width in pairs, sharded over the pairs, trains the
+model one process trains, and its checkpoint resumes on one process. Refusals and the mesh's
+shape: tests/unit/distributed/test_mesh.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+import paratrain
+from paratrain.data.tokens import markov_tokens
+from paratrain.distributed.dtensors import is_sharded
+from paratrain.models import GPT, TokenCrossEntropy
+from paratrain.training.recipes import GPT_CONTEXT, GPT_DEPTH, GPT_HEADS, GPT_VOCAB, GPT_WIDTH
+
+TOLERANCE = 1e-5
+STEPS, SAVED_AT, BATCH = 16, 8, 16
+
+
+def _train(rt: paratrain.Runtime, folder: str, resume: bool) -> list[tuple[int, ...]]:
+    """SGD with momentum on tiny-gpt's model and language; saves the whole state at step
+    SAVED_AT (or starts from it) and the weights at the end. What this process holds of the
+    first block's qkv and MLP weights."""
+    torch.manual_seed(0)
+    model = GPT(GPT_VOCAB, GPT_WIDTH, GPT_DEPTH, GPT_HEADS, GPT_CONTEXT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    state = Path(folder) / "state.pt"
+    if resume:
+        rt.load(state, {"model": model, "optimizer": optimizer})
+    loader = rt.setup_loader(DataLoader(markov_tokens(STEPS * BATCH, GPT_CONTEXT), BATCH))
+    loss_fn = TokenCrossEntropy()
+    for step, (x, y) in enumerate(loader, start=1):
+        if resume and step <= SAVED_AT:
+            continue
+        rt.backward(loss_fn(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == SAVED_AT and not resume:
+            rt.save(state, {"model": model, "optimizer": optimizer})
+    rt.save_weights(model, Path(folder) / ("resumed.safetensors" if resume else "end.safetensors"))
+    params = dict(model.named_parameters())
+    held = [params[f"blocks.0.{name}.weight"] for name in ("qkv", "mlp.0", "mlp.2")]
+    return [tuple(w.to_local().shape if is_sharded(w) else w.shape) for w in held]
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_2x2_trains_one_process_model_and_resumes_on_one(tmp_path: Path) -> None:
+    """16 steps on a shard x tp mesh of 2 x 2 reach one process's weights, each process
+    holding a quarter of the split layers; the step-8 checkpoint, resumed on one process to
+    step 16, ends there too."""
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    one.mkdir(), tp.mkdir()
+    paratrain.Runtime(strategy="cpu", seed=0).launch(_train, str(one), False)
+    rt = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu,cpu,cpu", tp=2, seed=0)
+    assert rt.strategy.describe()["mesh"] == {"shard": 2, "tp": 2}
+    held = rt.launch(_train, str(tp), False)
+    # split in 2 by tp (qkv's and fc1's rows, fc2's columns), then in 2 by fsdp (qkv along
+    # its input, the others along their rows)
+    assert held == [(192 // 2, 64 // 2), (256 // 4, 64), (64 // 2, 256 // 2)]
+    paratrain.Runtime(strategy="cpu", seed=0).launch(_train, str(tp), True)
+
+    expected = load_file(str(one / "end.safetensors"))
+    trained, resumed = (
+        load_file(str(tp / "end.safetensors")),
+        load_file(str(tp / "resumed.safetensors")),
+    )
+    saved = torch.load(tp / "state.pt", weights_only=True)["model"]
+    assert all(saved[k].shape == v.shape for k, v in expected.items())  # plain full tensors
+    print(
+        f"\nfsdp x tp 2x2 vs cpu after {STEPS} steps: max |dw| {_diff(trained, expected):.3g}; "
+        f"saved at {SAVED_AT}, resumed on cpu: {_diff(resumed, expected):.3g}"
+    )
+    assert _diff(trained, expected) < TOLERANCE
+    assert _diff(resumed, expected) < TOLERANCE
