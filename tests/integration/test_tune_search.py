@@ -29,7 +29,7 @@ def test_asha_search_on_digits_stops_the_bad_trials_and_keeps_the_best_run(
 ) -> None:
     # One trial at a time, in grid order: lr=0.05 learns, lr=1e-5 does not. ASHA's first
     # rung is after epoch 1 (grace period 1); keeping the top half (reduction factor 2), it
-    # stops each lr=1e-5 trial there, below the lr=0.05 trial already recorded.
+    # stops the lr=1e-5 trial there, below the lr=0.05 trial already recorded.
     result = paratrain_cli(
         "tune",
         "--recipe",
@@ -39,7 +39,7 @@ def test_asha_search_on_digits_stops_the_bad_trials_and_keeps_the_best_run(
         "--space",
         "lr=grid(0.05,0.00001)",
         "--trials",
-        "2",
+        "1",
         "--epochs",
         "3",
         "--scheduler",
@@ -62,11 +62,11 @@ def test_asha_search_on_digits_stops_the_bad_trials_and_keeps_the_best_run(
         "reduction_factor": 2,
     }
     trials = report["trials"]
-    assert len(trials) == 4
+    assert len(trials) == 2
     good = [t for t in trials if t["config"] == {"lr": 0.05}]
     bad = [t for t in trials if t["config"] == {"lr": 0.00001}]
-    assert [(t["status"], t["epochs"]) for t in good] == [("finished", 3)] * 2
-    assert [(t["status"], t["epochs"]) for t in bad] == [("stopped", 1)] * 2
+    assert [(t["status"], t["epochs"]) for t in good] == [("finished", 3)]
+    assert [(t["status"], t["epochs"]) for t in bad] == [("stopped", 1)]
     assert all(t["best"] > 0.9 for t in good) and all(t["best"] < 0.5 for t in bad)
     for trial in trials:  # every trial is a paratrain run directory
         run = out / trial["directory"]
@@ -89,7 +89,7 @@ def test_asha_search_on_digits_stops_the_bad_trials_and_keeps_the_best_run(
     assert f"* {best['id']}" in result.stdout
     for trial in trials:
         assert trial["id"] in result.stdout
-    assert result.stdout.count("stopped") == 2 and result.stdout.count("finished") == 2
+    assert result.stdout.count("stopped") == 1 and result.stdout.count("finished") == 1
 
 
 def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
