@@ -146,23 +146,22 @@ FLAT_OWNERS: dict[str, type[StrategyChoice]] = {
 
 def check_replicate(choice: StrategyChoice, replicate: int) -> None:
     """Refuses ``replicate`` copies of a layout that cannot run in several yet."""
-    if replicate == 1 or choice.replicates:
-        return
-    able = [name for name, cls in CHOICES.items() if cls.replicates]
-    raise UserError(
-        f"--replicate applies to --strategy {', '.join(able)} only, not {choice.name}; drop "
-        f"--replicate or use --strategy {able[0]}"
-    )
+    _check_dimension(choice, replicate, "--replicate", "replicates")
 
 
 def check_tp(choice: StrategyChoice, tp: int) -> None:
     """Refuses ``tp`` (tensor parallel) for a layout that cannot split its layers yet."""
-    if tp == 1 or choice.splits_layers:
+    _check_dimension(choice, tp, "--tp", "splits_layers")
+
+
+def _check_dimension(choice: StrategyChoice, size: int, flag: str, able_to: str) -> None:
+    """A mesh dimension of ``size`` > 1 only for the strategies whose ``able_to`` is set."""
+    if size == 1 or getattr(choice, able_to):
         return
-    able = [name for name, cls in CHOICES.items() if cls.splits_layers]
+    able = [name for name, cls in CHOICES.items() if getattr(cls, able_to)]
     raise UserError(
-        f"--tp applies to --strategy {', '.join(able)} only, not {choice.name}; drop --tp or "
-        f"use --strategy {able[0]}"
+        f"{flag} applies to --strategy {', '.join(able)} only, not {choice.name}; drop "
+        f"{flag} or use --strategy {able[0]}"
     )
 
 
