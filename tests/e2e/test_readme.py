@@ -21,6 +21,7 @@ Which blocks are parse-only is pinned below, so that none becomes so by accident
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -60,11 +61,21 @@ def _name(index: int) -> str:
     return f"{page} block {[p for p, _, _ in BLOCKS[:index]].count(page)}"
 
 
+#: the extra a block's imports need, by the module it imports
+EXTRAS = {"ray": "tune", "transformers": "hf", "torchao": "export", "webdataset": "stream"}
+
+
 def _param(index: int) -> object:
-    """The block's index; marked slow where the block starts processes (a script, Ray)."""
+    """The block's index; marked slow where the block starts processes (a script, Ray), and
+    skipped where it imports an extra this machine has not installed."""
     _, marker, code = BLOCKS[index]
     starts_processes = marker.split(";")[0].strip() == "script" or "import ray" in code
-    return pytest.param(index, marks=pytest.mark.slow) if starts_processes else index
+    marks = [pytest.mark.slow] if starts_processes else []
+    for module, extra in EXTRAS.items():
+        imported = re.search(rf"^\s*(import|from) {module}\b", code, re.MULTILINE)
+        if imported and importlib.util.find_spec(module) is None:
+            marks.append(pytest.mark.skip(reason=f"needs pip install 'paratrain[{extra}]'"))
+    return pytest.param(index, marks=marks)
 
 
 @pytest.mark.parametrize("index", [_param(i) for i in range(len(BLOCKS))], ids=_name)

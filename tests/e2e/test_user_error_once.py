@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 MESSAGE = "paratrain: error: unknown recipe 'nope'"
+#: two gloo processes on the CPU, also where there are GPUs
+CPU2 = ("--strategy", "ddp", "--devices", "cpu,cpu")
 
 # rank 0 meets the bad input last, as on a busy machine: the others fail first
 _LATE_RANK_0 = """
@@ -27,7 +29,7 @@ import os, sys, time
 if os.environ["RANK"] == "0":
     time.sleep(6)
 from paratrain.cli.main import main
-sys.exit(main(["train", "--recipe", "nope"]))
+sys.exit(main(["train", "--recipe", "nope", "--strategy", "ddp", "--devices", "cpu,cpu"]))
 """
 
 
@@ -61,7 +63,7 @@ def test_the_first_process_to_fail_says_it_when_rank_0_is_late(tmp_path: Path) -
 
 
 def test_user_error_under_plain_torchrun_on_a_busy_machine(tmp_path: Path, busy: None) -> None:
-    result = _torchrun(tmp_path, "-m", "paratrain", "train", "--recipe", "nope")
+    result = _torchrun(tmp_path, "-m", "paratrain", "train", "--recipe", "nope", *CPU2)
     assert result.returncode != 0
     assert result.stderr.count(MESSAGE) == 1, result.stderr[-3000:]
 

@@ -17,6 +17,7 @@ from paratrain.checkpoints.state.store import CHECKPOINTS
 
 TOLERANCE = 1e-5
 DIGITS = ("train", "--recipe", "digits", "--no-progress")
+CPU4 = "cpu,cpu,cpu,cpu"  # four gloo processes, also where there are GPUs
 
 
 def _train(capfd: pytest.CaptureFixture[str], *args: object) -> tuple[str, str]:
@@ -42,7 +43,7 @@ def test_hsdp_2x2_trains_one_process_model_and_resumes_on_other_layouts(
     hsdp = tmp_path / "hsdp"
     _train(capfd, "--strategy", "cpu", "--max-steps", 25, "--out", tmp_path / "cpu")
     out, _ = _train(
-        capfd, "--strategy", "fsdp", "--devices", 4, "--replicate", 2, "--max-steps", 25,
+        capfd, "--strategy", "fsdp", "--devices", CPU4, "--replicate", 2, "--max-steps", 25,
         "--out", hsdp,
     )  # fmt: skip
     assert out.count("trained 0.6 epochs, 25 steps") == 1  # printed by rank 0 only
@@ -55,11 +56,11 @@ def test_hsdp_2x2_trains_one_process_model_and_resumes_on_other_layouts(
     saved = load_file(str(hsdp / CHECKPOINTS / "step-000025" / "model.safetensors"))
     assert all(torch.equal(saved[k], weights[k]) for k in weights)  # full tensors
 
-    for name, layout in [("one", ("--strategy", "cpu")), ("fsdp4", ("--devices", 4))]:
+    for name, layout in [("one", ("--strategy", "cpu")), ("fsdp4", ("--devices", CPU4))]:
         run = tmp_path / name
         shutil.copytree(hsdp, run)
         if name == "fsdp4":  # the same strategy on 4 processes, one copy
-            layout = ("--strategy", "fsdp", "--devices", 4, "--replicate", 1)
+            layout = ("--strategy", "fsdp", "--devices", CPU4, "--replicate", 1)
         out, _ = _train(capfd, "--resume", run, *layout, "--max-steps", 50)
         assert "50 steps" in out, out
         diff = _diff(load_file(str(run / "model.safetensors")), digits_on_one_cpu)

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
 
 CPU2 = ["--strategy", "ddp", "--devices", "cpu,cpu"]
+#: one gloo process per "machine" where one host plays two (each would take cuda:0)
+ONE_CPU = ["--devices", "cpu"]
 
 
 def running(pid: int) -> bool:
@@ -127,7 +129,7 @@ def test_launch_options_are_checked_on_every_machine_before_starting(
 
 def test_user_errors_under_torchrun_are_printed_once(tmp_path: Path) -> None:
     result = run_paratrain(
-        *("train", "--recipe", "nope"),
+        *("train", "--recipe", "nope", *CPU2),
         cwd=tmp_path,
         timeout=180,
         torchrun=("--standalone", "--nproc-per-node", "2"),
@@ -320,7 +322,10 @@ def test_a_run_moved_between_schedulers_and_stopped_four_times_ends_bit_identica
     pods |= {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_PORT": port}
     done = _together(
         [
-            ([*train, "ref"], subprocess_env(**pods, RANK=str(r), PET_NODE_RANK=str(r)))
+            (
+                [*train, "ref", "--devices", "cpu"],
+                subprocess_env(**pods, RANK=str(r), PET_NODE_RANK=str(r)),
+            )
             for r in (0, 1)
         ],
         tmp_path,
@@ -343,7 +348,7 @@ def test_a_run_moved_between_schedulers_and_stopped_four_times_ends_bit_identica
     slurm |= {"PARATRAIN_TEST_FAULT": f"sigusr1:1:{k1}"}
     tasks = [
         (
-            [*train, "run", "--requeue"],
+            [*train, "run", "--requeue", *ONE_CPU],
             subprocess_env(**slurm, SLURM_PROCID=str(r), SLURM_NODEID=str(r)),
         )
         for r in (0, 1)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,8 @@ def _run(rt: paratrain.Runtime, out: str) -> dict[str, Any]:
         rt.exit_stopped()  # forgets the stop: a later loop runs on
 
     # paratrain train's loop: --oom auto (its default), --profile of 4 steps after one
-    cfg = TrainConfig(recipe="linear", max_steps=STEPS + 3, profile=STEPS + 1, progress=False)
+    cfg = TrainConfig(recipe="linear", strategy="ddp", devices="cpu,cpu", max_steps=STEPS + 3)
+    cfg = replace(cfg, profile=STEPS + 1, progress=False)
     cfg = cfg.resolved(get_recipe)
     train(rt, cfg, Path(out))
     if rt.is_main:
@@ -316,7 +318,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 
-rt = paratrain.Runtime(strategy="ddp", seed=0, agreement_seconds=1000)
+rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0, agreement_seconds=1000)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
 model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -101,8 +101,10 @@ class CompileCheck:
         return output
 
     def _keeper(self, index: int) -> Callable[[torch.Tensor], None]:
-        def keep(grad: torch.Tensor) -> None:
-            self._output_grads[index] = grad.detach()
+        # A compiled graph that computes the loss itself (Hugging Face's ``labels=``) hands
+        # its other outputs' hooks None: no gradient reached them.
+        def keep(grad: torch.Tensor | None) -> None:
+            self._output_grads[index] = None if grad is None else grad.detach()
 
         return keep
 

@@ -15,6 +15,7 @@ layout whose forward differs (Gemma scales its embeddings) would train a differe
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -108,6 +109,13 @@ def build_stages(model: nn.Module, layout: DecoderLayout, starts: Sequence[int])
     ]
 
 
+def _cache_keyword(function: Callable[..., Any]) -> str:
+    """What this Transformers version calls the key/value cache argument: ``cache`` (as in
+    5.24) or ``past_key_values`` (as in 5.17 and the versions before)."""
+    parameters = inspect.signature(function).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _attach(root: nn.Module, qualified: str, module: nn.Module) -> None:
     """``module`` under ``root`` at the dotted name ``qualified``, with empty containers on
     the way: the stage's state dict keys are the model's."""
@@ -152,6 +160,10 @@ class DecoderStage(nn.Module):
             _attach(self, name, model.get_submodule(name))
         object.__setattr__(self, "config", getattr(model, "config", None))
         object.__setattr__(self, "_causal_mask", create_causal_mask)
+        # no key/value cache, by the name this Transformers version gives it
+        self._no_cache = {_cache_keyword(create_causal_mask): None}
+        block_forward = model.get_submodule(blocks[0]).forward if blocks else create_causal_mask
+        self._block_no_cache = {_cache_keyword(block_forward): None}
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Token ids (first stage) or the hidden states the stage before returned; the next
@@ -167,15 +179,16 @@ class DecoderStage(nn.Module):
             config=self.config,
             inputs_embeds=reference,
             attention_mask=None,
-            cache=None,
             position_ids=positions,
+            **self._no_cache,
         )
         if self.layout.family == "gpt2":
             for name in self.block_names:
                 block = self.get_submodule(name)
                 hidden = block(
-                    hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                    position_ids=positions,
+                    hidden, attention_mask=mask, encoder_hidden_states=None,
+                    encoder_attention_mask=None, use_cache=False, position_ids=positions,
+                    **self._block_no_cache,
                 )  # fmt: skip
         else:
             assert self.layout.rotary is not None
@@ -183,7 +196,7 @@ class DecoderStage(nn.Module):
             for name in self.block_names:
                 hidden = self.get_submodule(name)(
                     hidden, attention_mask=mask, position_embeddings=rotary,
-                    position_ids=positions, cache=None, use_cache=False,
+                    position_ids=positions, use_cache=False, **self._block_no_cache,
                 )  # fmt: skip
         if not self.last:
             return hidden

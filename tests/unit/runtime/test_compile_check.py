@@ -8,6 +8,8 @@ on a CPU: the models are tiny and each shape is compiled once per test.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from paratrain_test_faults import COMPILE_FAULT_VARIABLE
@@ -105,3 +107,36 @@ def test_ddp_compares_with_averaged_eager_gradients() -> None:
     assert rt.speed.check is not None and rt.speed.check.state == "agreed"
     rt.teardown()
     torch._dynamo.utils.counters.clear()  # compiled DDP's own graph breaks: not the next test's
+
+
+class _Output(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class _OwnLoss(nn.Module):
+    """Hugging Face's idiom: ``model(x, labels=y)`` returns the loss beside the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> _Output:
+        logits = self.net(x)
+        return _Output(nn.functional.cross_entropy(logits, labels), logits)
+
+
+@pytest.mark.slow
+def test_a_model_that_computes_its_own_loss_is_checked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--strategy cpu: the compiled graph ends in the loss, so the logits get no gradient."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    rt = paratrain.Runtime(strategy="cpu", compile=True)
+    net = _OwnLoss()
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    rt.forward_backward(model, None, x, torch.arange(len(x)) % 2)
+    optimizer.step()
+    check = rt.speed.check
+    assert check is not None and check.state == "agreed", capsys.readouterr().err
+    assert "gradients agree with eager" in capsys.readouterr().err
