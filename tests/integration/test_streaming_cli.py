@@ -1,6 +1,6 @@
 """`paratrain data shard` and `paratrain train --data-dir` on a folder of tar shards: the
 digits recipe streamed from shards trains to the same weights on one process and on two
-(gloo), and a run killed (SIGKILL) three times, twice within one epoch, and continued each
+(gloo), and a run killed (SIGKILL) twice within one epoch, and continued each
 time from its last checkpoint ends bit-identical to the run never stopped.
 
 Before: `--data-dir` was for cifar10-resnet18 only, and there was no `paratrain data`."""
@@ -8,6 +8,7 @@ Before: `--data-dir` was for cifar10-resnet18 only, and there was no `paratrain 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,13 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.slow  # several runs of the command, on real processes
 pytest.importorskip("webdataset")
 
-CPU2 = ["--strategy", "ddp", "--devices", "cpu,cpu"]
+LAYOUTS = {"cpu": ["--strategy", "cpu"], "ddp": ["--strategy", "ddp", "--devices", "cpu,cpu"]}
 #: 1,437 training samples of digits in batches of 64: 23 steps an epoch, 46 in all
 TRAIN = ["train", "--recipe", "digits", "--epochs", "2", "--batch-size", "64", "--no-progress"]
+
+
+#: the path of the uninterrupted run on a layout
+Reference = Callable[[str], Path]
 
 
 def paratrain(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -42,30 +47,41 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "shards"
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The run never stopped, on layout "cpu" or "ddp": trained once for the module's tests."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    done: dict[str, Path] = {}
+
+    def run(layout: str) -> Path:
+        if layout not in done:
+            train = [*TRAIN, "--data-dir", str(shards), *LAYOUTS[layout], "--save-every", "5"]
+            result = paratrain(*train, "--out", layout, cwd=folder)
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert "trained 2 epochs, 46 steps" in result.stdout
+            done[layout] = folder / layout
+        return done[layout]
+
+    return run
+
+
 def test_shards_train_to_the_same_weights_on_one_process_and_two(
-    shards: Path, tmp_path: Path
+    uninterrupted: Reference,
 ) -> None:
-    for layout, out in ((["--strategy", "cpu"], "one"), (CPU2, "two")):
-        result = paratrain(*TRAIN, "--data-dir", str(shards), *layout, "--out", out, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "trained 2 epochs, 46 steps" in result.stdout
-    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    one, two = weights(uninterrupted("cpu")), weights(uninterrupted("ddp"))
     for key in one:
         torch.testing.assert_close(one[key], two[key], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "ddp"])
 def test_a_run_killed_twice_in_one_epoch_ends_bit_identical(
-    layout: str, shards: Path, tmp_path: Path
+    layout: str, shards: Path, uninterrupted: Reference, tmp_path: Path
 ) -> None:
     """Checkpoints every 5 steps; killed after steps 29 (epoch 1, from the start) and 38
     (epoch 1 again, from step 25's checkpoint), then run to the end from step 35's: a second
     resume inside one epoch continues where the first left off. (Resuming inside epoch 0 is
     test_streaming's.)"""
-    options = ["--strategy", "cpu"] if layout == "cpu" else CPU2
-    train = [*TRAIN, "--data-dir", str(shards), *options, "--save-every", "5", "--out"]
-    result = paratrain(*train, "ref", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train = [*TRAIN, "--data-dir", str(shards), *LAYOUTS[layout], "--save-every", "5", "--out"]
     rank = "0" if layout == "cpu" else "1"
     for step, resumed in ((29, None), (38, 25)):
         result = paratrain(*train, "run", cwd=tmp_path, PARATRAIN_TEST_FAULT=f"kill:{rank}:{step}")
@@ -75,7 +91,8 @@ def test_a_run_killed_twice_in_one_epoch_ends_bit_identical(
     result = paratrain(*train, "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "continuing from run/checkpoints/step-000035" in result.stderr
-    ref, run = weights(tmp_path / "ref"), weights(tmp_path / "run")
+    reference = uninterrupted(layout)
+    ref, run = weights(reference), weights(tmp_path / "run")
     assert all(torch.equal(ref[key], run[key]) for key in ref)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert metrics == (tmp_path / "ref" / "metrics.jsonl").read_text()
+    assert metrics == (reference / "metrics.jsonl").read_text()
