@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
 
 CPU2 = ["--strategy", "ddp", "--devices", "cpu,cpu"]
+#: fsdp in two copies of one shard: a two-dimensional layout on two processes
+HSDP_2X1 = ["--strategy", "fsdp", "--devices", "cpu,cpu", "--replicate", "2"]
 #: one gloo process per "machine" where one host plays two (each would take cuda:0)
 ONE_CPU = ["--devices", "cpu"]
 
@@ -219,18 +221,27 @@ def test_a_sleeping_rank_of_a_users_script_is_named_with_its_stack(tmp_path: Pat
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", [(), ("--max-restarts", "1")], ids=["spawn", "agent"])
+@pytest.mark.parametrize(
+    ("launcher", "layout", "place"),
+    [
+        ((), CPU2, ""),
+        (("--max-restarts", "1"), HSDP_2X1, "; replicate 1, shard 0"),
+    ],
+    ids=["spawn", "agent"],
+)
 def test_paratrain_train_names_a_rank_stuck_in_python(
-    tmp_path: Path, launcher: tuple[str, ...]
+    tmp_path: Path, launcher: tuple[str, ...], layout: list[str], place: str
 ) -> None:
     """--hang-timeout reaches the watchdog of either launcher (rt.launch's, or torchrun's
-    agent under --max-restarts) as a parameter."""
-    args = ["train", *CPU2, "--max-steps", "40", "--no-progress", "--hang-timeout", "8"]
+    agent under --max-restarts) as a parameter; in a two-dimensional layout (HSDP of two
+    copies of one shard) the report names the rank's coordinates."""
+    args = ["train", *layout, "--max-steps", "40", "--no-progress", "--hang-timeout", "8"]
     args += list(launcher)
     result = paratrain(*args, "--out", "run", cwd=tmp_path, PARATRAIN_TEST_FAULT="stall:1:5")
     err = result.stderr
     assert result.returncode == 1, err[-3000:]
-    assert re.search(r"paratrain: error: rank 1 \(pid \d+\) made no progress for \d+s", err), err
+    stuck = rf"paratrain: error: rank 1 \(pid \d+{re.escape(place)}\) made no progress for \d+s"
+    assert re.search(stuck, err), err
     if not launcher:  # rt.launch's report holds the whole stack (the agent's may be cut)
         assert "faults.py" in err and "in at_step" in err  # its stack: where it sleeps
         assert "loop.py" in err

@@ -71,6 +71,17 @@ def coordinates(rank: int, world_size: int, replicate: int = 1) -> tuple[int, in
     return copy, index
 
 
+def place(rank: int, world_size: int, replicate: int = 1, tp: int = 1, inner: str = SHARD) -> str:
+    """``rank``'s coordinates in the mesh by name (``"replicate 1, shard 0"``), for reports
+    that name a process; ``""`` where the run has one dimension."""
+    shape = mesh_shape(world_size, replicate, tp)
+    if len(shape) == 1:
+        return ""
+    outer, index = divmod(rank, shape[-1])
+    names = mesh_names(shape, tp, inner)
+    return f"{names[0]} {outer}, {names[1]} {index}"
+
+
 def device_mesh(
     device_type: str, world_size: int, replicate: int = 1, tp: int = 1, inner: str = SHARD
 ) -> DeviceMesh:

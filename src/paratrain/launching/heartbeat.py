@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from paratrain.utils import environment
+from paratrain.utils.atomic import atomic_write_text
 
 DIRECTORY_VARIABLE = environment.HEARTBEAT_DIR_VARIABLE
 _LAYOUT = struct.Struct("<qqdq")  # pid, beats, time of the last beat, waiting (0/1)
@@ -83,12 +84,17 @@ def stack_file(directory: Path, rank: int) -> Path:
     return directory / f"stack-rank{rank}.txt"
 
 
+def place_file(directory: Path, rank: int) -> Path:
+    return directory / f"place-rank{rank}.txt"
+
+
 class _Heart:
     def __init__(self, directory: Path, rank: int) -> None:
         path = beat_file(directory, rank)
         path.write_bytes(encode(os.getpid(), 0, time.monotonic(), 0))
         with open(path, "r+b") as handle:
             self.map = mmap.mmap(handle.fileno(), _SIZE)
+        self.directory, self.rank = directory, rank
         self.pid = os.getpid()
         self.parent = os.getppid()
         self.count = 0
@@ -126,6 +132,13 @@ def arm(rank: int | None = None) -> bool:
         return False
     _heart = _Heart(env.heartbeat_dir, env.rank if rank is None else rank)
     return True
+
+
+def announce_place(place: str) -> None:
+    """This rank's coordinates in a two-dimensional layout (``"replicate 1, shard 0"``), for
+    the watchdog's report; nothing for ``""`` or unwatched."""
+    if place and _heart is not None:
+        atomic_write_text(place_file(_heart.directory, _heart.rank), place)
 
 
 def beat() -> None:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.launching.heartbeat import Beat, read_beats, stack_file
+from paratrain.launching.heartbeat import Beat, place_file, read_beats, stack_file
 from paratrain.launching.parent_death import process_exists
 from paratrain.utils import environment
 from paratrain.utils.errors import UserError
@@ -57,17 +57,20 @@ def hang_timeout() -> float | None:
 
 @dataclass(frozen=True)
 class Hang:
-    """A stuck rank: who, since when, and its Python stack."""
+    """A stuck rank: who (and where in a two-dimensional layout), since when, and its
+    Python stack."""
 
     rank: int
     pid: int
     seconds: float
     stack: str
+    place: str = ""
 
     def message(self) -> str:
         stack = self.stack.strip() or "(it wrote no stack)"
+        where = f"; {self.place}" if self.place else ""
         return (
-            f"rank {self.rank} (pid {self.pid}) made no progress for {self.seconds:.0f}s "
+            f"rank {self.rank} (pid {self.pid}{where}) made no progress for {self.seconds:.0f}s "
             f"(--hang-timeout / {TIMEOUT_VARIABLE}); every process was stopped. "
             f"Its Python stack:\n{stack}"
         )
@@ -97,7 +100,11 @@ class Watchdog:
         for other in beats:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(other.pid, signal.SIGKILL)
-        return Hang(stuck.rank, stuck.pid, seconds, stack)
+        return Hang(stuck.rank, stuck.pid, seconds, stack, self._place(stuck))
+
+    def _place(self, stuck: Beat) -> str:
+        path = place_file(self.directory, stuck.rank)
+        return path.read_text(errors="replace").strip() if path.exists() else ""
 
     def _dump(self, stuck: Beat) -> str:
         path = stack_file(self.directory, stuck.rank)

@@ -200,6 +200,7 @@ class Runtime:
         heartbeat.beat()  # every collective and setup passes here: progress for the watchdog
         if not self._connected:
             self.strategy.setup_process()
+            heartbeat.announce_place(self.strategy.place)  # named in a hang report
             self._connected = True
             if self.strategy.collective.world_size > 1 and not self._checked_at_exit:
                 at_healthy_exit(self._check_at_exit)

@@ -117,6 +117,12 @@ class Strategy(ABC):
         return 1
 
     @property
+    def place(self) -> str:
+        """This process's coordinates in a two-dimensional layout (``"replicate 1, shard
+        0"``), for reports that name it; ``""`` for a layout of one dimension."""
+        return ""
+
+    @property
     def num_processes(self) -> int:
         """How many processes a run of this strategy needs (the launcher starts them)."""
         return type(self).count_processes(self.devices)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from paratrain.distributed.dtensors import shard_like
-from paratrain.distributed.mesh import SHARD, TP, device_mesh, mesh_names, mesh_shape
+from paratrain.distributed.mesh import SHARD, TP, device_mesh, mesh_names, mesh_shape, place
 from paratrain.models.gpt import GPT
 from paratrain.models.meta_init import MetaInit, is_meta, release
 from paratrain.strategies.base import StrategyOptions
@@ -71,6 +71,11 @@ class FSDPStrategy(DDPStrategy):
         )
         #: id of each parameter before sharding -> the sharded parameter replacing it
         self._replaced: dict[int, nn.Parameter] = {}
+
+    @property
+    def place(self) -> str:
+        world = self.collective.world_size
+        return place(self.collective.rank, world, self.options.replicate, self.options.tp)
 
     def precision_refused(self, precision: str) -> str | None:
         if precision == "fp16" and self.root_device.type == "cuda":

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.distributed.mesh import STAGE, coordinates, device_mesh, mesh_shape
+from paratrain.distributed.mesh import STAGE, coordinates, device_mesh, mesh_shape, place
 from paratrain.models.meta_init import is_meta
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.ddp import DDPStrategy
@@ -120,6 +120,11 @@ class PipelineStrategy(DDPStrategy):
     def data_leaders(self) -> list[int]:
         # a copy's stages hold the same batch (and get the same output): each copy counts once
         return [copy * self.stages for copy in range(self.options.replicate)]
+
+    @property
+    def place(self) -> str:
+        world = self.collective.world_size
+        return place(self.collective.rank, world, self.options.replicate, inner=STAGE)
 
     @property
     def _place(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from paratrain.distributed.mesh import (
     coordinates,
     mesh_names,
     mesh_shape,
+    place,
 )
 from paratrain.runtime.config import RuntimeConfig
 from paratrain.strategies import FSDP, Pipeline, build_strategy
@@ -119,3 +120,18 @@ def test_a_pipeline_in_copies_of_fewer_than_two_stages_is_refused(
     with pytest.raises(UserError) as caught:
         build_strategy(config.strategy, config.devices, config.options)
     assert str(caught.value) == message
+
+
+def test_a_process_is_named_by_its_coordinates_in_a_two_dimensional_layout() -> None:
+    """What a hang report says of a rank: its coordinates by the dimensions' names."""
+    assert [place(r, 4, replicate=2) for r in range(4)] == [
+        "replicate 0, shard 0",
+        "replicate 0, shard 1",
+        "replicate 1, shard 0",
+        "replicate 1, shard 1",
+    ]
+    assert place(5, 6, replicate=2, inner=STAGE) == "replicate 1, stage 2"
+    assert place(3, 4, tp=2) == "shard 1, tp 1"
+    assert place(1, 2) == ""  # one dimension: the rank says it all
+    fsdp = RuntimeConfig.of(strategy="fsdp", devices="cpu,cpu,cpu,cpu", replicate=2)
+    assert build_strategy(fsdp.strategy, fsdp.devices, fsdp.options).place == "replicate 0, shard 0"

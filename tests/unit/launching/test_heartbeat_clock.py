@@ -51,3 +51,22 @@ def test_silence_longer_than_the_timeout_is_still_a_hang(
     hang = Watchdog(tmp_path, timeout=60.0).check()
     assert hang is not None and hang.rank == 0 and 119.0 <= hang.seconds < 130.0
     assert "most recent call first" in hang.stack
+
+
+def test_a_hang_names_the_rank_by_its_place_in_a_two_dimensional_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank of a 2-D layout announces its coordinates; the report names them."""
+    monkeypatch.setenv(heartbeat.DIRECTORY_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(heartbeat, "_heart", None)
+    monkeypatch.setattr(heartbeat, "_checked", False)
+    monkeypatch.setattr(heartbeat.faulthandler, "register", lambda *a, **k: None)
+    heartbeat.announce_place("replicate 1, stage 0")  # before the first beat: not watched yet
+    assert not heartbeat.place_file(tmp_path, 0).exists()
+    heartbeat.beat()
+    heartbeat.announce_place("replicate 1, stage 0")
+    _write_beat(tmp_path, seconds_ago=120.0)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: None)
+    hang = Watchdog(tmp_path, timeout=60.0).check()
+    assert hang is not None and hang.place == "replicate 1, stage 0"
+    assert f"rank 0 (pid {os.getpid()}; replicate 1, stage 0) made no progress" in hang.message()
