@@ -225,7 +225,7 @@ def test_a_sleeping_rank_of_a_users_script_is_named_with_its_stack(tmp_path: Pat
     ("launcher", "layout", "place"),
     [
         ((), CPU2, ""),
-        (("--max-restarts", "1"), HSDP_2X1, "; replicate 1, shard 0"),
+        (("--rdzv-endpoint",), HSDP_2X1, "; replicate 1, shard 0"),
     ],
     ids=["spawn", "agent"],
 )
@@ -233,10 +233,12 @@ def test_paratrain_train_names_a_rank_stuck_in_python(
     tmp_path: Path, launcher: tuple[str, ...], layout: list[str], place: str
 ) -> None:
     """--hang-timeout reaches the watchdog of either launcher (rt.launch's, or torchrun's
-    agent under --max-restarts) as a parameter; in a two-dimensional layout (HSDP of two
-    copies of one shard) the report names the rank's coordinates."""
+    agent, which --rdzv-endpoint asks for as --max-restarts does) as a parameter; in a
+    two-dimensional layout (HSDP of two copies of one shard) the report names the rank's
+    coordinates."""
     args = ["train", *layout, "--max-steps", "40", "--no-progress", "--hang-timeout", "8"]
-    args += list(launcher)
+    if launcher:  # one attempt: a restart would only hang again
+        args += [*launcher, f"127.0.0.1:{free_port()}"]
     result = paratrain(*args, "--out", "run", cwd=tmp_path, PARATRAIN_TEST_FAULT="stall:1:5")
     err = result.stderr
     assert result.returncode == 1, err[-3000:]

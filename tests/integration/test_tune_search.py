@@ -94,10 +94,10 @@ def test_asha_search_on_digits_stops_the_bad_trials_and_keeps_the_best_run(
 
 def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     # Optuna samples; each epoch's checkpoint takes a second longer (a test hook), so that
-    # Ctrl+C after the first finished trial comes with trials left to run.
+    # Ctrl+C after the first finished trial comes with the second left to run.
     args = ["tune", "--strategy", "cpu", "--epochs", "2"]
     args += ["--space", "lr=loguniform(0.01,0.1)", "--space", "batch_size=choice(32,64)"]
-    args += ["--search", "optuna", "--scheduler", "fifo", "--trials", "3", "--max-concurrent"]
+    args += ["--search", "optuna", "--scheduler", "fifo", "--trials", "2", "--max-concurrent"]
     args += ["1", "--no-progress", "--out", "search"]
     env = subprocess_env(PARATRAIN_TEST_STALL_SAVE="1")
     process = start_paratrain(*args, cwd=tmp_path, env=env)
@@ -118,7 +118,7 @@ def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     report = _report(out)
     assert report["status"] == "interrupted"
     finished = {t["id"] for t in report["trials"] if t["status"] == "finished"}
-    assert finished and len(finished) < 3
+    assert len(finished) == 1
     before = {i: (out / "trials" / i / "metrics.jsonl").read_bytes() for i in finished}
 
     resumed = run_paratrain(
@@ -127,7 +127,7 @@ def test_an_interrupted_search_continues_with_resume(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = _report(out)
     assert report["status"] == "finished"
-    assert len(report["trials"]) == 3
+    assert len(report["trials"]) == 2
     assert all(t["status"] == "finished" and t["epochs"] == 2 for t in report["trials"])
     assert report["settings"]["search"] == "optuna"
     for trial in report["trials"]:  # each epoch once: continued, never trained twice
