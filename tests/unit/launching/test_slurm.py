@@ -134,3 +134,28 @@ def test_paratrain_slurm_writes_an_sbatch_script(
         capsys.readouterr()
         assert main(["slurm", "--nodes", "1", "--gpus-per-node", "1", "--", *bad]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("layout", "said"),
+    [
+        (["--replicate", "2"], ""),  # one copy per machine: only gradients cross
+        (["--replicate", "4"], ""),  # two copies per machine
+        (["--tp", "4"], ""),
+        ([], "paratrain: note: fsdp shards over all 8 processes of 2 machines"),
+        (["--replicate", "3"], "--replicate 3 does not divide the 8 processes"),
+        (["--tp", "3"], "--tp 3 does not divide the 8 processes"),
+        (["--tp", "8"], "a tensor-parallel group of 8 spans machines"),
+    ],
+)
+def test_a_two_dimensional_job_is_checked_against_its_machines(
+    layout: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 machines x 4 GPUs: a layout that does not divide the 8 processes is refused before
+    a script is written; fsdp (or a tensor-parallel group) across machines gets a note."""
+    argv = ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--", "--strategy", "fsdp"]
+    code = main([*argv, *layout, "--recipe", "tiny-gpt", "--out", "/shared/runs/t"])
+    captured = capsys.readouterr()
+    assert code == (2 if "does not divide" in said else 0), captured.err
+    assert (said in captured.err) if said else captured.err == "", captured.err
+    assert ("srun paratrain train" in captured.out) == (code == 0)

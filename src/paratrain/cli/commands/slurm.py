@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 from paratrain.cli.commands import train
 from paratrain.cli.commands.options import hidden_alias
+from paratrain.distributed.mesh import mesh_shape
 from paratrain.utils.errors import UserError
 
 #: train options the script sets itself, or that would undo a requeue
@@ -115,11 +117,51 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"paratrain slurm: the train options: {message}")
 
 
-def _check_train_options(train_args: list[str]) -> None:
+def _check_train_options(train_args: list[str]) -> argparse.Namespace:
     """The options must make a valid `paratrain train` command: its own parser reads them."""
     parser = _Parser(prog="paratrain")
     train.register(parser.add_subparsers(parser_class=_Parser))
-    parser.parse_args(["train", *train_args])
+    return parser.parse_args(["train", *train_args])
+
+
+def _check_mesh(args: argparse.Namespace, options: argparse.Namespace) -> None:
+    """A two-dimensional layout must divide the job's processes; where a copy (HSDP, a
+    pipeline in copies) or a tensor-parallel group would span machines, a note says so:
+    its traffic, every step or every layer, would then cross the network."""
+    from paratrain.devices.machine import parse_count, parse_device_list
+
+    replicate, tp = getattr(options, "replicate", 1) or 1, getattr(options, "tp", 1) or 1
+    spec = str(options.devices)
+    per_node = parse_count(spec) or len(parse_device_list(spec))
+    processes = args.nodes * per_node
+    try:
+        mesh_shape(processes, replicate, tp)
+    except UserError as error:
+        raise UserError(
+            f"paratrain slurm: {args.nodes} machine(s) x {per_node} GPUs: {error}"
+        ) from None
+    copy = processes // replicate
+    if options.strategy == "fsdp" and args.nodes > 1 and replicate == tp == 1:
+        print(
+            f"paratrain: note: fsdp shards over all {processes} processes of {args.nodes} "
+            f"machines, so every step's gathers cross the network; --replicate {args.nodes} "
+            "(HSDP) shards inside each machine and sends only a gradient all-reduce across",
+            file=sys.stderr,
+        )
+    if replicate > 1 and per_node % copy:
+        print(
+            f"paratrain: note: each of the {replicate} copies ({copy} processes) spans "
+            "machines, so every step's gathers cross the network; --replicate "
+            f"{args.nodes} keeps each copy on one machine",
+            file=sys.stderr,
+        )
+    if tp > 1 and per_node % tp:
+        print(
+            f"paratrain: note: a tensor-parallel group of {tp} spans machines, so every "
+            f"layer's activations cross the network; a --tp that divides {per_node} keeps "
+            "each group on one machine",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if args.signal_seconds < 1:
         raise UserError(f"--signal-seconds must be at least 1, got {args.signal_seconds}")
     train_args = _train_args(args)
-    _check_train_options(train_args)
+    _check_mesh(args, _check_train_options(train_args))
     text = script(args, train_args)
     if args.output is None:
         print(text, end="")
