@@ -136,7 +136,12 @@ def test_bad_oom_mode_is_refused() -> None:
 def _oom_then_reference(rt: paratrain.Runtime, out: str, hook: str) -> dict[str, Any]:
     """In every process: digits for 5 steps of 64 with ``hook`` (running out from step 3),
     then the same run in two pieces per micro-batch from the start; rank 0's figures."""
-    cfg = TrainConfig(recipe="digits", strategy=rt.strategy.name, epochs=1, batch_size=64)
+    # the runtime's devices (cpu,cpu): left out, they would mean a GPU per process where
+    # there are GPUs, and a machine with one has no cuda:1
+    devices = ",".join(str(device) for device in rt.strategy.devices)
+    cfg = TrainConfig(
+        recipe="digits", strategy=rt.strategy.name, devices=devices, epochs=1, batch_size=64
+    )
     cfg = dataclasses.replace(cfg.resolved(get_recipe), max_steps=5, progress=False)
     runs = {}
     for name, split in (("oom", 1), ("ref", 2)):
