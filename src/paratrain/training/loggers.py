@@ -149,13 +149,14 @@ class Mlflow(LoopObserver):
 class Profiler(LoopObserver):
     """``--profile STEPS``: a trace of the first steps, one file per process."""
 
-    def __init__(self, directory: Path, steps: int, rank: int) -> None:
+    def __init__(self, directory: Path, steps: int, rank: int, device_type: str) -> None:
         self.directory, self.steps, self.rank = directory, steps, rank
+        self.device_type = device_type
         self.profiler: StepProfiler | None = None
 
     @contextlib.contextmanager
     def _profiled(self) -> Iterator[None]:
-        self.profiler = StepProfiler(self.directory, self.steps, self.rank)
+        self.profiler = StepProfiler(self.directory, self.steps, self.rank, self.device_type)
         yield
         self.profiler.close()  # once training is done: not after an error
 
@@ -208,7 +209,7 @@ def build_observers(
         ml.log_params({"config": cfg.to_dict(), "runtime": rt.describe()})
         mlflow = Mlflow(ml, directory)
     members = [
-        Profiler(directory, cfg.profile, rt.rank)
+        Profiler(directory, cfg.profile, rt.rank, rt.device.type)
         if directory is not None and cfg.profile
         else None,
         ContentionNote(rt),

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from paratrain.training.run_files import PROFILE
 
 #: the folder of the run directory the traces go to
@@ -18,14 +16,16 @@ class StepProfiler:
     """Profiles ``steps`` batches after one batch of warm-up (the first batch pays for
     start-up work that is not a step's); nothing at all when ``steps`` is None."""
 
-    def __init__(self, directory: Path | None, steps: int | None, rank: int) -> None:
+    def __init__(
+        self, directory: Path | None, steps: int | None, rank: int, device_type: str = "cpu"
+    ) -> None:
         self._profiler: Any = None
         if directory is None or not steps:
             return
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        if device_type == "cuda":  # the run's device: a CPU run on a GPU machine has no kernels
             activities.append(ProfilerActivity.CUDA)
         self.folder = directory / PROFILE_DIR
         self._profiler = profile(
