@@ -29,6 +29,30 @@ def keep_torch_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def keep_torch_numerics() -> Iterator[None]:
+    """``--deterministic`` in this process changes torch's global settings for good
+    (deterministic algorithms, cuDNN's, TF32's): put back, or every later test of this
+    process runs under them (on a GPU, each CUDA matmul then needs the CUBLAS_WORKSPACE_CONFIG
+    that the suite's clean environment takes away, and reading the legacy TF32 flags
+    raises). The TF32 flags are read through the API that determinism.py sets them with."""
+    cudnn: Any = torch.backends.cudnn  # flags the type stubs do not declare
+    matmul: Any = torch.backends.cuda.matmul
+    if hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        flags = [(matmul, "fp32_precision"), (cudnn.conv, "fp32_precision")]
+        flags += [(cudnn.rnn, "fp32_precision")]
+    else:
+        flags = [(matmul, "allow_tf32"), (cudnn, "allow_tf32")]
+    flags += [(cudnn, "deterministic"), (cudnn, "benchmark")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in flags]
+    algorithms = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+
+
 @pytest.mark.parametrize(
     ("cores", "processes", "expected"),
     [
@@ -177,7 +201,10 @@ def _train(out: Path, steps: int, *extra: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_a_busy_machine_gets_fewer_threads_recorded_and_kept_on_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    keep_torch_numerics: None,
 ) -> None:
     """``--strategy cpu`` on 2 cores (simulated, as is the load). A run started beside other
     work takes the free core alone (one thread), says so once and records it; resumed on a

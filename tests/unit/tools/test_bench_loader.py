@@ -82,10 +82,10 @@ def test_bench_loader_script_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     script.write_text(SCRIPT)
     argv = ["bench", "loader", "--script", f"{script}:factory", "--steps", "3"]
     argv += ["--warmup", "1", "--repeats", "2", "--max-workers", "1", "--json"]
-    assert main(argv) == 0
+    assert main([*argv, "--devices", "cpu"]) == 0  # left out, a machine with a GPU uses it
     report = json.loads(capsys.readouterr().out)
     settings = [(r["num_workers"], r["pin_memory"]) for r in report["rows"]]
-    assert settings == [(0, False), (1, False)]  # no CUDA here: pin_memory=False only
+    assert settings == [(0, False), (1, False)]  # steps on the CPU: pin_memory=False only
     assert "pin_memory" in report["notes"][0]
     for row in report["rows"]:
         assert row["loader_batches_per_second"]["count"] == 2
@@ -95,6 +95,7 @@ def test_bench_loader_script_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert report["step_alone_batches_per_second"]["count"] == 4
     assert report["message"].startswith("use num_workers=")
     assert report["batch_size"] == 32 and report["source"] == "tiny"
+    assert report["device"] == "cpu"
 
 
 def test_bench_loader_recipe_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -93,6 +94,10 @@ sys.exit(main(["tune", "--space", "lr=loguniform(0.01,0.1)", "--search", "optuna
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="needs pip install 'paratrain[tune]': without Ray, the answer is how to install it",
+)
 def test_an_existing_search_is_not_replaced_without_overwrite(tmp_path: Path) -> None:
     (tmp_path / "search").mkdir()
     (tmp_path / "search" / "tune.json").write_text("{}", encoding="utf-8")
