@@ -75,6 +75,9 @@ class Strategy(ABC):
     builds_parts: ClassVar[bool] = False
     #: its processes may span several machines (torchrun's agent on each, --nnodes)
     spans_machines: ClassVar[bool] = False
+    #: each process holds a 1/N shard of the parameters and gathers them at every step: over
+    #: several machines those gathers cross the network (``replicate`` keeps them inside one)
+    gathers_shards: ClassVar[bool] = False
     #: the torch.compile mode ``--compile`` (``auto``) means here (paratrain.runtime.compiling)
     compile_mode: ClassVar[str] = "default"
     #: why ``--compile``'s first-step check cannot run its eager pass here, or None

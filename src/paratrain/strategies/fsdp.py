@@ -59,6 +59,7 @@ class FSDPStrategy(DDPStrategy):
     builds_parts = True
     description = STRATEGIES["fsdp"]
     # eager autograd.grad would run its reduce-scatter
+    gathers_shards = True
     compile_check_refused = "under fsdp the eager pass would run the sharding hooks too"
 
     def __init__(self, devices: list[torch.device], options: StrategyOptions | None = None) -> None:

@@ -156,6 +156,34 @@ def test_pipeline_activations_sit_in_the_stage_whose_layers_make_them() -> None:
             assert last.activations > 2 * first.activations
 
 
+@pytest.mark.slow
+def test_a_pipeline_in_two_copies_is_two_pipelines_of_half_the_stages_on_half_the_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--strategy cpu tracing, 4 devices: the ``pipeline 2x2`` row (pipeline --replicate 2)
+    holds, on each copy, what a 2-stage pipeline holds at half the batch (a model of 2 blocks,
+    which one pipeline of 4 stages cannot cut); `paratrain plan --devices 4` lists it beside
+    ``hsdp 2x2``, and not on 3 devices."""
+    build, _ = _builders()["tiny-gpt width 64"]
+
+    def cut(stages: int) -> Any:
+        return lambda b: trace_step(build, b, stages=stages)
+
+    four = plan_memory(cut(4), "gpt", 16, "32", 4, "cpu", 1 << 40, "-", copy_trace=cut(2))
+    two = plan_memory(cut(2), "gpt", 8, "32", 2, "cpu", 1 << 40, "-")
+    copies = next(p for p in four.layouts if p.layout == "pipeline 2x2")
+    pipeline = next(p for p in two.layouts if p.layout == "pipeline")
+    assert copies.devices == pipeline.devices * 2
+    # its 2 blocks cannot be cut into 4 stages: one pipeline over the 4 devices is refused
+    assert "needs at least 4 layers" in four.refused["pipeline"]
+    args = ["plan", "--recipe", "tiny-gpt", "--batch-size", "8", "--accelerator", "cpu"]
+    assert main([*args, "--devices", "4", "--json"]) == 0
+    named = [p["layout"] for p in json.loads(capsys.readouterr().out)["layouts"]]
+    assert named[-2:] == ["hsdp 2x2", "pipeline 2x2"]
+    three = layouts(3, "cpu", pipeline_copies=True)
+    assert not any(layout.name.startswith("pipeline 2x") for layout in three)
+
+
 def test_hsdp_shards_over_one_copy_only() -> None:
     """On 4 devices hsdp 2x2 (fsdp --replicate 2) holds each process's shard of 1/2 of the
     parameters, gradients and optimizer state (fsdp x4: 1/4) and the same activations (a 1/4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
     plans = {}
     for checkpointed in (False, True) if args.activation_checkpointing else (False,):
         wrap = with_checkpointing if checkpointed else None
+
+        def traced(stages: int, wrap: Any = wrap) -> Callable[[int], Any]:
+            return lambda b: trace_step(build, b, precision=precision, wrap=wrap, stages=stages)
+
+        in_copies = devices >= 4 and devices % 2 == 0  # pipeline --replicate 2
         plans[checkpointed] = plan_memory(
-            lambda b, wrap=wrap: trace_step(
-                build, b, precision=precision, wrap=wrap, stages=devices
-            ),
+            traced(devices),
             source.name,
             batch,
             precision,
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             accelerator,
             memory,
             where,
+            copy_trace=traced(devices // 2) if in_copies else None,
         )
     plan = plans[False]
     saved = {}

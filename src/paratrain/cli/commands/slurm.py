@@ -124,6 +124,17 @@ def _check_train_options(train_args: list[str]) -> argparse.Namespace:
     return parser.parse_args(["train", *train_args])
 
 
+def _gathers_shards(strategy: str) -> bool:
+    """Whether ``strategy`` gathers parameter shards every step (``auto``, or a name `paratrain
+    train` will refuse on the cluster: no)."""
+    from paratrain.strategies.registry import strategy_class
+
+    try:
+        return strategy_class(strategy).gathers_shards
+    except UserError:
+        return False
+
+
 def _check_mesh(args: argparse.Namespace, options: argparse.Namespace) -> None:
     """A two-dimensional layout must divide the job's processes; where a copy (HSDP, a
     pipeline in copies) or a tensor-parallel group would span machines, a note says so:
@@ -141,7 +152,7 @@ def _check_mesh(args: argparse.Namespace, options: argparse.Namespace) -> None:
             f"paratrain slurm: {args.nodes} machine(s) x {per_node} GPUs: {error}"
         ) from None
     copy = processes // replicate
-    if options.strategy == "fsdp" and args.nodes > 1 and replicate == tp == 1:
+    if _gathers_shards(options.strategy) and args.nodes > 1 and replicate == tp == 1:
         print(
             f"paratrain: note: fsdp shards over all {processes} processes of {args.nodes} "
             f"machines, so every step's gathers cross the network; --replicate {args.nodes} "

@@ -17,7 +17,9 @@ changes:
 * ``pipeline`` xN: each stage the parameters, all the gradients and the optimizer state of
   its layers (where the pipeline cuts the model; 1/N where the trace was not asked to cut),
   and its own layers' share of the activations (as their outputs are; 1/N where not cut) of
-  the micro-batches in flight (1F1B: up to N of the 4, GPipe: all).
+  the micro-batches in flight (1F1B: up to N of the 4, GPipe: all);
+* ``pipeline`` RxS (``pipeline --replicate R``, from 4 devices, R = 2): each copy a pipeline
+  of S = N/R stages on a 1/R part of the batch, from a step traced with the model cut into S.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class Layout:
     replicate: int = 1
 
 
-def layouts(devices: int, accelerator: str) -> list[Layout]:
-    """The layouts worth planning on ``devices`` devices of type ``accelerator``."""
+def layouts(devices: int, accelerator: str, pipeline_copies: bool = False) -> list[Layout]:
+    """The layouts worth planning on ``devices`` devices of type ``accelerator``;
+    ``pipeline_copies``: a pipeline in two copies as well (its own traces are given)."""
     single = Layout(accelerator, 1, lambda batch: batch)
     if devices < 2:
         return [single]
@@ -54,6 +57,9 @@ def layouts(devices: int, accelerator: str) -> list[Layout]:
     found = [single] + [Layout(name, devices, part, name == "pipeline") for name in names]
     if devices >= 4 and devices % 2 == 0:  # two copies, each sharded over half the devices
         found.append(Layout(f"hsdp 2x{devices // 2}", devices, part, replicate=2))
+        if pipeline_copies:
+            copy = _part(2)
+            found.append(Layout(f"pipeline 2x{devices // 2}", devices, copy, True, 2))
     return found
 
 
@@ -83,6 +89,8 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
     """Each device's peak under ``layout``: ``trace`` at its per-device batch, ``whole`` at
     the global batch (pipeline's stages and dp's gathered outputs read it)."""
     n, peak = layout.processes, trace.peak
+    if layout.staged:
+        return _stages(layout.processes // layout.replicate, whole) * layout.replicate
     if layout.name == "ddp":
         return [peak.plus(other=trace.parameter_bytes)] * n
     if layout.name in ("dp", "dp-balanced"):
@@ -96,21 +104,25 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
         gathered = max(0, gathered - whole_model // shard)  # beyond this process's own shard
         sharded = peak.scaled(parameters=1 / shard, gradients=1 / shard, optimizer=1 / shard)
         return [sharded.plus(parameters=gathered, gradients=trace.largest_block_bytes)] * n
-    if layout.name == "pipeline":
-        microbatches = 4
-        in_flight = [min(n - s, microbatches) / microbatches for s in range(n)]
-        # a stage's gradients are all there from its first micro-batch's backward on, while
-        # the later micro-batches' activations are held (one step's peak has only some)
-        return [
-            whole.peak.scaled(
-                parameters=share,
-                gradients=0,
-                optimizer=share,
-                activations=flight * acts,
-                other=1 / n,
-            ).plus(gradients=share * whole.parameter_bytes)
-            for share, acts, flight in zip(
-                _stage_shares(whole, n), _activation_shares(whole, n), in_flight, strict=True
-            )
-        ]
     return [peak]
+
+
+def _stages(n: int, whole: StepTrace) -> list[Breakdown]:
+    """The n stages of one pipeline, from ``whole``: a step of the batch the pipeline sees,
+    traced with the model cut into n stages."""
+    microbatches = 4
+    in_flight = [min(n - s, microbatches) / microbatches for s in range(n)]
+    # a stage's gradients are all there from its first micro-batch's backward on, while
+    # the later micro-batches' activations are held (one step's peak has only some)
+    return [
+        whole.peak.scaled(
+            parameters=share,
+            gradients=0,
+            optimizer=share,
+            activations=flight * acts,
+            other=1 / n,
+        ).plus(gradients=share * whole.parameter_bytes)
+        for share, acts, flight in zip(
+            _stage_shares(whole, n), _activation_shares(whole, n), in_flight, strict=True
+        )
+    ]

@@ -117,31 +117,46 @@ def plan_memory(
     accelerator: str,
     device_memory: int,
     memory_source: str,
+    copy_trace: Any = None,
 ) -> MemoryPlan:
-    """Plan every layout of ``devices`` devices; ``trace(b)`` traces a step of ``b`` samples."""
+    """Plan every layout of ``devices`` devices; ``trace(b)`` traces a step of ``b`` samples
+    (the model cut into ``devices`` stages); ``copy_trace(b)``, where given, the same with the
+    model cut into the stages of one of two pipeline copies (``devices // 2``)."""
     traces = Traces(trace)
+    copies = Traces(copy_trace) if copy_trace is not None else None
     shared = accelerator == "cpu"
     plan = MemoryPlan(model, batch, precision, device_memory, memory_source, shared)
-    chosen = layouts(devices, accelerator)
+    chosen = layouts(devices, accelerator, pipeline_copies=copies is not None)
     for layout in chosen:  # the traces the requested batch needs, before any estimate
         traces.at(layout.per_device(batch))
     traces.at(batch)
     if len({t for t in (layout.per_device(batch) for layout in chosen)}) < 2:
         traces.at(2 * batch)  # two points for the straight line
+    if copies is not None:
+        part = max(1, -(-batch // 2))
+        copies.at(part)
+        copies.at(2 * part)  # two points for the straight line
     for layout in chosen:
-        if layout.staged and traces.at(batch).stage_refusal:
-            plan.refused[layout.name] = traces.at(batch).stage_refusal
+        source = copies if copies is not None and _in_copies(layout) else traces
+        whole = source.at(_seen_by_one_pipeline(layout, batch))
+        if layout.staged and whole.stage_refusal:
+            plan.refused[layout.name] = whole.stage_refusal
             continue
-        found = _devices(layout, traces.at(layout.per_device(batch)), traces.at(batch))
+        found = per_device(layout, source.at(layout.per_device(batch)), whole)
         fits = _fits(found, device_memory, shared)
         plan.layouts.append(
-            LayoutPlan(layout.name, found, fits, _largest(layout, traces, device_memory, shared))
+            LayoutPlan(layout.name, found, fits, _largest(layout, source, device_memory, shared))
         )
     return plan
 
 
-def _devices(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Breakdown]:
-    return per_device(layout, trace, whole)
+def _in_copies(layout: Layout) -> bool:
+    return layout.staged and layout.replicate > 1
+
+
+def _seen_by_one_pipeline(layout: Layout, batch: int) -> int:
+    """The batch one copy's pipeline sees: the whole batch, or its part (copies)."""
+    return layout.per_device(batch) if _in_copies(layout) else batch
 
 
 def _fits(devices: list[Breakdown], memory: int, shared: bool) -> bool:
@@ -152,9 +167,8 @@ def _fits(devices: list[Breakdown], memory: int, shared: bool) -> bool:
 
 def _largest(layout: Layout, traces: Traces, memory: int, shared: bool) -> int:
     def fits(batch: int) -> bool:
-        found = per_device(
-            layout, traces.estimate(layout.per_device(batch)), traces.estimate(batch)
-        )
+        whole = traces.estimate(_seen_by_one_pipeline(layout, batch))
+        found = per_device(layout, traces.estimate(layout.per_device(batch)), whole)
         return _fits(found, memory, shared)
 
     if not fits(1):
