@@ -142,7 +142,7 @@ def test_paratrain_slurm_writes_an_sbatch_script(
         (["--replicate", "2"], ""),  # one copy per machine: only gradients cross
         (["--replicate", "4"], ""),  # two copies per machine
         (["--tp", "4"], ""),
-        ([], "paratrain: note: fsdp shards over all 8 processes of 2 machines"),
+        ([], "paratrain: note: --strategy fsdp shards over all 8 processes of 2 machines"),
         (["--replicate", "3"], "--replicate 3 does not divide the 8 processes"),
         (["--tp", "3"], "--tp 3 does not divide the 8 processes"),
         (["--tp", "8"], "a tensor-parallel group of 8 spans machines"),
@@ -159,3 +159,12 @@ def test_a_two_dimensional_job_is_checked_against_its_machines(
     assert code == (2 if "does not divide" in said else 0), captured.err
     assert (said in captured.err) if said else captured.err == "", captured.err
     assert ("srun paratrain train" in captured.out) == (code == 0)
+
+
+def test_a_copy_larger_than_one_machine_gets_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    """4 machines x 2 GPUs, a pipeline in 2 copies of 4 stages: each copy spans 2 machines."""
+    argv = ["slurm", "--nodes", "4", "--gpus-per-node", "2", "--", "--strategy", "pipeline"]
+    assert main([*argv, "--replicate", "2", "--recipe", "tiny-gpt", "--out", "/shared/t"]) == 0
+    err = capsys.readouterr().err
+    assert "each of the 2 copies (4 processes) spans machines" in err, err
+    assert "--replicate 4 keeps each copy on one machine" in err

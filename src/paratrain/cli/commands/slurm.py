@@ -154,7 +154,8 @@ def _check_mesh(args: argparse.Namespace, options: argparse.Namespace) -> None:
     copy = processes // replicate
     if _gathers_shards(options.strategy) and args.nodes > 1 and replicate == tp == 1:
         print(
-            f"paratrain: note: fsdp shards over all {processes} processes of {args.nodes} "
+            f"paratrain: note: --strategy {options.strategy} shards over all {processes} "
+            f"processes of {args.nodes} "
             f"machines, so every step's gathers cross the network; --replicate {args.nodes} "
             "(HSDP) shards inside each machine and sends only a gradient all-reduce across",
             file=sys.stderr,
@@ -162,8 +163,9 @@ def _check_mesh(args: argparse.Namespace, options: argparse.Namespace) -> None:
     if replicate > 1 and per_node % copy:
         print(
             f"paratrain: note: each of the {replicate} copies ({copy} processes) spans "
-            "machines, so every step's gathers cross the network; --replicate "
-            f"{args.nodes} keeps each copy on one machine",
+            "machines, so the traffic inside a copy (fsdp's gathers, a pipeline's "
+            f"activations) crosses the network every step; --replicate {args.nodes} keeps "
+            "each copy on one machine",
             file=sys.stderr,
         )
     if tp > 1 and per_node % tp:
