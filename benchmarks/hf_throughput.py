@@ -35,6 +35,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import paratrain
 from paratrain.devices.machine import cpu_name
 
+# this folder's GPU benchmark: the same device sync and matmul peak
+from gpu_throughput import matmul_peak, synchronize  # isort: skip
+
 Steps = Iterator[None]
 
 
@@ -115,11 +118,6 @@ COMPILED: dict[str, Callable[[Setup], Steps]] = {
 }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class Result:
     name: str
@@ -163,25 +161,6 @@ def flops_per_token(setup: Setup) -> float:
     return counter.get_total_flops() / tokens.numel()
 
 
-def matmul_peak(device: torch.device) -> float:
-    gpu = device.type == "cuda"
-    n = 8192 if gpu else 1024
-    dtype = torch.bfloat16 if gpu else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = 0.0
-    torch.mm(a, b)
-    for _ in range(5):
-        repeats = 20 if gpu else 5
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            torch.mm(a, b)
-        synchronize(device)
-        best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start))
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -212,7 +191,7 @@ def main() -> None:
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 in plain-fp32
     flops = flops_per_token(setup)
-    peak = matmul_peak(setup.device)
+    peak = matmul_peak(setup.device, bf16=gpu)
     params = sum(p.numel() for p in build_model(setup).parameters())
     name = torch.cuda.get_device_name(setup.device) if gpu else cpu_name()
     print(f"machine: {name}; {platform.system()}, torch {torch.__version__}")
@@ -222,7 +201,7 @@ def main() -> None:
         f"{setup.steps} timed steps after {setup.warmup}; {flops / 1e9:.3f} GFLOP per token"
     )
     results = [measure(n, contenders[n], setup) for n in chosen]
-    peak = max(peak, matmul_peak(setup.device))
+    peak = max(peak, matmul_peak(setup.device, bf16=gpu))
     print(f"matmul peak {peak / 1e12:.1f} TFLOP/s ({'bf16' if gpu else 'float32'})")
     base = next((r.tokens_per_second for r in results if r.name == "plain-bf16"), None)
     print()

@@ -20,13 +20,18 @@ def _write_beat(directory: Path, seconds_ago: float) -> None:
     heartbeat.stack_file(directory, 0).write_text("Thread 0x1 (most recent call first):\n")
 
 
-def test_a_rank_beats_on_the_machines_monotonic_clock(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(heartbeat.DIRECTORY_VARIABLE, str(tmp_path))
+def _watched_here(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a rank a launcher watches through ``directory``, not yet armed."""
+    monkeypatch.setenv(heartbeat.DIRECTORY_VARIABLE, str(directory))
     monkeypatch.setattr(heartbeat, "_heart", None)
     monkeypatch.setattr(heartbeat, "_checked", False)
     monkeypatch.setattr(heartbeat.faulthandler, "register", lambda *a, **k: None)
+
+
+def test_a_rank_beats_on_the_machines_monotonic_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _watched_here(tmp_path, monkeypatch)
     before = time.monotonic()
     heartbeat.beat()
     [beat] = heartbeat.read_beats(tmp_path)
@@ -57,10 +62,7 @@ def test_a_hang_names_the_rank_by_its_place_in_a_two_dimensional_layout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank of a 2-D layout announces its coordinates; the report names them."""
-    monkeypatch.setenv(heartbeat.DIRECTORY_VARIABLE, str(tmp_path))
-    monkeypatch.setattr(heartbeat, "_heart", None)
-    monkeypatch.setattr(heartbeat, "_checked", False)
-    monkeypatch.setattr(heartbeat.faulthandler, "register", lambda *a, **k: None)
+    _watched_here(tmp_path, monkeypatch)
     heartbeat.announce_place("replicate 1, stage 0")  # before the first beat: not watched yet
     assert not heartbeat.place_file(tmp_path, 0).exists()
     heartbeat.beat()
