@@ -12,7 +12,13 @@ compiled ones.
 
 Per parameter the difference is ``|compiled - eager| / |eager|`` (norms; the denominator is
 at least 1e-3 of the largest parameter's, so a parameter with almost no gradient cannot
-dominate). Beyond the precision's tolerance (:data:`TOLERANCES`) the run falls back to eager:
+dominate). Under bf16 or fp16 the two also round differently: on an H200, eager bf16
+ResNet-18 gradients of BatchNorm parameters are 0.44 (relative) from float32 ones, and
+inductor's 0.39, so compiled and eager differ by 0.33 while neither is worse. Beyond the
+precision's tolerance (:data:`TOLERANCES`), a low-precision run therefore takes one more eager
+pass in float32 and keeps the compiled model when, for every parameter, the compiled
+gradients are no further from float32 than :data:`ROUNDING_MARGIN` times eager's distance
+(or the tolerance). Beyond that, or beyond the tolerance in float32, the run falls back to eager:
 the step's gradients are replaced by the eager ones, every later forward runs eager, and the
 main process prints one line naming the worst parameter. ``compile="strict"`` (``--compile
 strict``) raises instead. When they agree, one line gives the difference and what the check
@@ -27,10 +33,11 @@ A test makes the compiled gradients wrong, as the inductor bug does, through the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -42,9 +49,24 @@ from paratrain.utils.errors import UserError
 
 #: the largest relative gradient difference taken as agreement, per precision
 TOLERANCES = {"32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
+#: under bf16/fp16, how much further from float32 than eager the compiled gradients may be
+ROUNDING_MARGIN = 1.5
+#: the precisions whose compiled and eager gradients round differently
+ROUNDED = ("bf16", "fp16")
 #: steps whose gradients are not finite (fp16's first scaled steps) are not compared; after
 #: this many, the check gives up
 _ATTEMPTS = 5
+
+
+class Rounding(NamedTuple):
+    """Under bf16/fp16, the parameter whose compiled gradients are furthest from float32,
+    relative to how far eager's are: its name, both distances, and whether that is within
+    :data:`ROUNDING_MARGIN` (or the tolerance) on every process."""
+
+    name: str
+    compiled: float
+    eager: float
+    within: bool
 
 
 class CompileCheck:
@@ -67,6 +89,8 @@ class CompileCheck:
         self.plain: nn.Module = getattr(self.eager, "module", self.eager)
         self.strict = strict
         self.tolerance = TOLERANCES.get(precision, TOLERANCES["32"])
+        self.precision = precision
+        self.rounding: Rounding | None = None
         self.collective = collective
         self.autocast = autocast
         self.compile_time = compile_time
@@ -93,9 +117,9 @@ class CompileCheck:
             return output
         self._inputs = (args, kwargs)
         self._synced = bool(getattr(self.eager, "require_backward_grad_sync", True))
-        self._outputs = [t for t in tree_leaves(output) if _differentiable(t)]
-        self._output_grads: list[torch.Tensor | None] = [None] * len(self._outputs)
-        for index, tensor in enumerate(self._outputs):
+        outputs = [t for t in tree_leaves(output) if _differentiable(t)]
+        self._output_grads: list[torch.Tensor | None] = [None] * len(outputs)
+        for index, tensor in enumerate(outputs):
             tensor.register_hook(self._keeper(index))
         self.state = "pending"
         return output
@@ -122,9 +146,10 @@ class CompileCheck:
             _delta(p.grad, before, p) for (_, p), before in zip(params, self._before, strict=True)
         ]
         compiled = self._injected(params, compiled)
-        eager = self._eager_grads(params)
+        eager = self._eager_grads(params, self.autocast)
         finite = torch.tensor([float(all(bool(torch.isfinite(g).all()) for g in compiled + eager))])
         if self.collective.all_reduce(finite, "min").item() < 1:
+            del self._inputs, self._output_grads
             self._attempts += 1
             self.state = "waiting" if self._attempts < _ATTEMPTS else "not checked"
             if self.state == "not checked":
@@ -132,14 +157,21 @@ class CompileCheck:
             return
         names = [name for name, _ in params]
         self.worst = _worst(names, compiled, eager, self.collective)
-        self.seconds = time.perf_counter() - start
         name, difference = self.worst
-        if difference <= self.tolerance:
+        if difference > self.tolerance and self.precision in ROUNDED:
+            reference = self._eager_grads(params, contextlib.nullcontext)
+            self.rounding = _rounding(
+                names, compiled, eager, reference, self.tolerance, self.collective
+            )
+        del self._inputs, self._output_grads
+        self.seconds = time.perf_counter() - start
+        if difference <= self.tolerance or (self.rounding is not None and self.rounding.within):
             self._finish("agreed", "")
             return
         line = (
             f"torch.compile's gradients differ from eager ones on the first step (worst: "
-            f"{name}, relative difference {difference:.2g}, tolerance {self.tolerance:g})"
+            f"{name}, relative difference {difference:.2g}, tolerance {self.tolerance:g}"
+            f"{self._from_float32()})"
         )
         if self.strict:
             raise UserError(f"{line}; --compile strict stops here: drop --compile, or use eager")
@@ -161,10 +193,16 @@ class CompileCheck:
                 p.grad = changed if before is None else before + changed
         return injected
 
-    def _eager_grads(self, params: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+    def _eager_grads(
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        autocast: Callable[[], AbstractContextManager[Any]],
+    ) -> list[torch.Tensor]:
+        """The eager model's gradients for the kept inputs and output gradients, under
+        ``autocast`` (the run's precision, or none for the float32 reference)."""
         args, kwargs = self._inputs
         buffers = [b.detach().clone() for b in self.plain.buffers()]  # BatchNorm's statistics
-        with torch.enable_grad(), self.autocast():
+        with torch.enable_grad(), autocast():
             output = self.plain(*args, **kwargs)
         for buffer, saved in zip(self.plain.buffers(), buffers, strict=True):
             buffer.data.copy_(saved)
@@ -183,8 +221,16 @@ class CompileCheck:
                 part.view_as(g)
                 for part, g in zip(flat.split([g.numel() for g in eager]), eager, strict=True)
             ]
-        del self._inputs, self._outputs, self._output_grads
         return eager
+
+    def _from_float32(self) -> str:
+        if self.rounding is None:
+            return ""
+        r = self.rounding
+        return (
+            f"; from float32, {r.name}'s compiled gradients are {r.compiled:.2g} and eager "
+            f"{self.precision}'s {r.eager:.2g}"
+        )
 
     def skip(self, reason: str) -> None:
         """No check for this run; one line says why."""
@@ -194,7 +240,14 @@ class CompileCheck:
         self.state = state
         _, compile_seconds = self.compile_time()
         cost = f"the check took {self.seconds:.2f}s, compiling {compile_seconds:.1f}s"
-        if state == "agreed":
+        if state == "agreed" and self.rounding is not None:
+            name, difference = self.worst
+            note = (
+                f"torch.compile checked: {self.precision} gradients differ from eager by up to "
+                f"{difference:.2g} (worst: {name}), no more than {self.precision}'s own rounding"
+                f"{self._from_float32()}; {cost}"
+            )
+        elif state == "agreed":
             name, difference = self.worst
             note = (
                 f"torch.compile checked: gradients agree with eager within {difference:.2g} "
@@ -208,12 +261,15 @@ class CompileCheck:
 
     def describe(self) -> dict[str, Any]:
         name, difference = self.worst
-        return {
+        described: dict[str, Any] = {
             "state": self.state,
             "worst_parameter": name,
             "relative_difference": difference,
             "seconds": self.seconds,
         }
+        if self.rounding is not None:
+            described["from_float32"] = self.rounding._asdict()
+        return described
 
 
 def _rng_states(model: nn.Module) -> list[torch.Tensor]:
@@ -235,6 +291,38 @@ def _delta(grad: torch.Tensor | None, before: torch.Tensor | None, p: torch.Tens
     return grad.detach() if before is None else grad.detach() - before
 
 
+def _relative(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> torch.Tensor:
+    """Per parameter ``|grads - reference| / |reference|`` (the denominator at least 1e-3 of
+    the largest parameter's)."""
+    norms = torch.stack([g.double().norm() for g in reference])
+    floor = max(float(norms.max()) * 1e-3, 1e-12)
+    diffs = torch.stack(
+        [(a.double() - b.double()).norm() for a, b in zip(grads, reference, strict=True)]
+    )
+    return diffs / norms.clamp(min=floor)
+
+
+def _rounding(
+    names: list[str],
+    compiled: list[torch.Tensor],
+    eager: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    tolerance: float,
+    collective: Collective,
+) -> Rounding:
+    """How far the compiled and eager low-precision gradients are from float32 ones, at the
+    parameter where the compiled ones are furthest beyond what eager's rounding allows."""
+    from_compiled = _relative(compiled, reference)
+    from_eager = _relative(eager, reference)
+    allowed = (from_eager * ROUNDING_MARGIN).clamp(min=tolerance)
+    excess = from_compiled / allowed
+    index = int(excess.argmax())
+    largest = collective.all_reduce(excess.max().reshape(1).float(), "max").item()
+    return Rounding(
+        names[index], float(from_compiled[index]), float(from_eager[index]), largest <= 1
+    )
+
+
 def _worst(
     names: list[str],
     compiled: list[torch.Tensor],
@@ -245,12 +333,7 @@ def _worst(
     over the processes)."""
     if not names:
         return "", 0.0
-    norms = torch.stack([g.double().norm() for g in eager])
-    floor = max(float(norms.max()) * 1e-3, 1e-12)
-    diffs = torch.stack(
-        [(c.double() - e.double()).norm() for c, e in zip(compiled, eager, strict=True)]
-    )
-    relative = diffs / norms.clamp(min=floor)
+    relative = _relative(compiled, eager)
     index = int(relative.argmax())
     largest = collective.all_reduce(relative.max().reshape(1).float(), "max").item()
     return names[index], float(largest)

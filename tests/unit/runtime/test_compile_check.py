@@ -1,14 +1,17 @@
 """`--compile` checked: the first step's compiled gradients against eager ones.
 
 Devices: `--strategy cpu` in this process (agree, disagree through the test hook, strict,
-and the real torch 2.13 inductor bug on a tiny Conv-ReLU-Conv-ReLU-MaxPool network); `ddp`
+and the real torch 2.13 inductor bug on a tiny Conv-ReLU-Conv-ReLU-MaxPool network; bf16
+gradients judged against float32, with dynamo's eager backend); `ddp`
 with one gloo process on `cpu` (the layout whose gradients DDP averages). Compiling is slow
 on a CPU: the models are tiny and each shape is compiled once per test.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -16,6 +19,9 @@ from paratrain_test_faults import COMPILE_FAULT_VARIABLE
 from torch import nn
 
 import paratrain
+from paratrain.distributed.collective import Collective
+from paratrain.runtime.compile_check import TOLERANCES, CompileCheck
+from paratrain.utils import injection
 from paratrain.utils.errors import UserError
 
 
@@ -140,3 +146,83 @@ def test_a_model_that_computes_its_own_loss_is_checked(
     check = rt.speed.check
     assert check is not None and check.state == "agreed", capsys.readouterr().err
     assert "gradients agree with eager" in capsys.readouterr().err
+
+
+# -- bf16: compiled and eager round differently; float32 tells which is further off ------------
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+
+
+def _bf16() -> AbstractContextManager[Any]:
+    return torch.autocast("cpu", torch.bfloat16)
+
+
+def _bf16_step(handler: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> CompileCheck:
+    """One bf16 step of :func:`_bn_net` checked, its "compiled" gradients ``handler``'s."""
+    net = _bn_net()
+    compiled = torch.compile(net, backend="eager")  # the graph as dynamo captures it, no inductor
+    check = CompileCheck(
+        compiled,
+        strict=False,
+        precision="bf16",
+        collective=Collective(),
+        autocast=_bf16,
+        compile_time=lambda: (1, 0.0),
+    )
+    x, y = _images()
+    with injection.injected("compiled_grads", handler), _bf16():
+        loss = nn.functional.cross_entropy(compiled(x), y)
+    with injection.injected("compiled_grads", handler):
+        loss.backward()
+        check.after_backward()
+    return check
+
+
+def _images() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(16, 3, 8, 8, generator=generator), torch.randint(
+        0, 10, (16,), generator=generator
+    )
+
+
+def _float32_grads() -> list[torch.Tensor]:
+    net = _bn_net()
+    x, y = _images()
+    nn.functional.cross_entropy(net(x), y).backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_gradients_closer_to_float32_than_eager_bf16_keep_the_compiled_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--strategy cpu, bf16: a compiler that computes in float32 where eager rounds to bf16
+    (inductor does so for BatchNorm) differs from eager by more than the tolerance, yet is
+    no further from float32: kept, and the line says why."""
+    exact = _float32_grads()
+    check = _bf16_step(lambda grads: exact)
+    assert check.worst[1] > TOLERANCES["bf16"]  # the plain comparison alone would refuse
+    assert check.rounding is not None and check.rounding.within
+    assert check.rounding.compiled < check.rounding.eager
+    assert check.state == "agreed"
+    err = capsys.readouterr().err
+    assert "no more than bf16's own rounding" in err and "from float32" in err
+
+
+def test_a_wrong_gradient_under_bf16_still_falls_back(capsys: pytest.CaptureFixture[str]) -> None:
+    """--strategy cpu, bf16: a parameter without its gradient is further from float32 than
+    any rounding: eager from the first step, the line naming both distances."""
+    exact = _float32_grads()
+    check = _bf16_step(lambda grads: [torch.zeros_like(exact[0]), *exact[1:]])
+    assert check.rounding is not None and not check.rounding.within
+    assert check.rounding.name == "0.weight" and check.rounding.compiled == pytest.approx(1)
+    assert check.state == "fell back"
+    err = capsys.readouterr().err
+    assert "worst: 0.weight" in err and "from float32, 0.weight's compiled gradients are 1" in err
