@@ -171,8 +171,9 @@ class AgentLauncher(Launcher):
     def _failure(self, exc: Exception, watchdog: WatchdogThread | None) -> Exception:
         """One error for the agent's failure: a hang, a rank's one-line report, or the
         cause torchrun found (rank, exit code or signal, traceback)."""
-        if watchdog is not None and watchdog.hang is not None:
-            return LaunchError(watchdog.hang.message())
+        hang = watchdog.finish() if watchdog is not None else None
+        if hang is not None:
+            return LaunchError(hang.message())
         said = self.reports.first_one_line()
         if said is not None:
             error = said.error()

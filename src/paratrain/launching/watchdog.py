@@ -143,8 +143,17 @@ class WatchdogThread:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def finish(self) -> Hang | None:
+        """Stop watching, after the look in progress: the hang it found, or None.
+
+        The look kills the ranks before it returns the hang, so the launcher can see them
+        dead first (a busy machine leaves this thread waiting for a core); read ``hang``
+        through this, not before."""
         self._stop.set()
         self._thread.join()
+        return self.hang
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_SECONDS):

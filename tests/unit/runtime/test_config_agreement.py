@@ -25,6 +25,7 @@ from paratrain.strategies import (
     build_strategy,
     choose,
 )
+from paratrain.strategies import ddp as ddp_module
 from paratrain.training.config import TrainConfig
 from paratrain.utils.errors import UserError
 
@@ -200,6 +201,9 @@ def test_num_processes_builds_no_strategy(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(Strategy, "__init__", refuse)
     assert RuntimeConfig(strategy=DDP(), devices="cpu,cpu,cpu").num_processes == 3
+    assert RuntimeConfig(strategy=FSDP(), devices="cpu,cpu").num_processes == 2
+    # a count is of GPUs where the machine has some (cuda:1 may not exist): here, of CPUs
+    monkeypatch.setattr(ddp_module, "cuda_count", lambda: 0)
     assert RuntimeConfig(strategy=FSDP(), devices="2").num_processes == 2
     assert RuntimeConfig(strategy="cpu").num_processes == 1  # type: ignore[arg-type]
     assert TrainConfig(strategy="pipeline", devices="cpu,cpu").runtime_config().num_processes == 2
