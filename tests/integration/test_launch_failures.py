@@ -176,8 +176,15 @@ def test_kill_9_of_one_worker_stops_the_run(tmp_path: Path) -> None:
 def test_paratrain_run_reports_the_failed_rank(paratrain_cli: CLI, tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
     script.write_text(
+        "import atexit, pathlib\n"
         "import paratrain\n"
         "rt = paratrain.Runtime()\n"
+        "here = pathlib.Path(__file__).parent\n"
+        "atexit.register(lambda: (here / f'exit-handlers-r{rt.rank}').touch())\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        (here / f'finalized-r{rt.rank}').touch()\n"
+        "left_to_finalization = Finalized()\n"
         "rt.barrier()\n"
         "if rt.rank == 1:\n"
         "    raise ValueError('boom on rank one')\n"
@@ -190,3 +197,7 @@ def test_paratrain_run_reports_the_failed_rank(paratrain_cli: CLI, tmp_path: Pat
     assert "rank 1's traceback:" in err and "ValueError: boom on rank one" in err
     root_cause = err.split("Root Cause", 1)[1]
     assert re.search(r"rank\s*:\s*1 ", root_cause), err[-3000:]
+    # the failed rank ran the program's exit handlers, then left without the interpreter's
+    # finalization, where gloo's threads may abort it ("terminate called ...") after the report
+    assert (tmp_path / "exit-handlers-r1").exists()
+    assert not (tmp_path / "finalized-r1").exists()

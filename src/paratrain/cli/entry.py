@@ -57,10 +57,12 @@ def guarded(main: Callable[[], object]) -> int:
     except Exception as exc:
         # Under paratrain's launcher the traceback goes to a report: when one process dies,
         # the others fail in their collectives, and a restart should not print them all.
+        # Then the program's exit handlers, and no interpreter finalization, where gloo's
+        # threads may abort the process with one more line on stderr.
         code = report_failure(exc)
         if code is None:
             raise
-        return code
+        leave_now(code, exit_handlers=True)
     return 0
 
 

@@ -179,6 +179,7 @@ class AgentLauncher(Launcher):
             error = said.error()
             assert error is not None
             return error
+        exc = root_first(exc, self.reports)
         format_msg = getattr(exc, "format_msg", None)
         text = format_msg() if callable(format_msg) else str(exc)
         restarts = self.nodes.max_restarts
@@ -189,6 +190,29 @@ class AgentLauncher(Launcher):
         if trace:  # the processes' own tracebacks go to reports (see paratrain.cli.entry)
             text += f"\nrank {rank}'s traceback:\n{trace}"
         return LaunchError(f"{self.what} failed{after}; the cause:\n{text.strip()}")
+
+
+def root_first(exc: Exception, reports: ReportFolder) -> Exception:
+    """``exc`` (torchrun's ``ChildFailedError``) with the rank that failed first as its root
+    cause. torchrun takes the failure it saw first, timed to the second, ties to the lowest
+    rank: a process that failed because a peer died is often seen in the same look as that
+    peer. The ranks' own reports are timed finer: the earliest is the cause, unless a rank
+    failed without one (killed by a signal), which then is."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(exc, ChildFailedError) or not exc.failures:
+        return exc
+    failures = exc.failures
+    reported = {f.rank: f.at for f in reports.failures()}
+    silent = [rank for rank in failures if rank not in reported]
+    if silent:
+        root = min(silent, key=lambda rank: (failures[rank].timestamp, rank))
+    else:
+        root = min(failures, key=lambda rank: (reported[rank], rank))
+    first = failures[root]
+    first.timestamp = min(f.timestamp for f in failures.values())
+    ordered = {root: first, **{r: f for r, f in failures.items() if r != root}}
+    return ChildFailedError(exc.name, ordered)
 
 
 def stopped_on_signal(tmp: Path, signum: int) -> BaseException:

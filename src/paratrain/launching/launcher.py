@@ -146,12 +146,17 @@ def say_one_line(exc: UserError | LaunchError) -> int:
     return exit_code(kind_of(exc))
 
 
-def leave_now(code: int | None) -> NoReturn:
+def leave_now(code: int | None, exit_handlers: bool = False) -> NoReturn:
     """Exit with ``code`` (None: 1) at once, streams flushed, after a one-line error every
     process says alike: the interpreter's own exit would run the C++ destructors of a
     process group whose peers are gone, and gloo's threads then end the process with
     "terminate called without an active exception" and SIGABRT, after the line that said
-    why. (A crash keeps the interpreter's exit: its order of exits names the failed rank.)"""
+    why. ``exit_handlers``: the program's ``atexit`` handlers run first (a crash reported
+    to torchrun's agent: the user's logger still flushes). (Under ``rt.launch`` a crash keeps
+    the interpreter's exit: torch.multiprocessing carries its traceback to the parent.)"""
+    if exit_handlers:
+        with contextlib.suppress(Exception):
+            atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

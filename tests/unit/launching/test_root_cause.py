@@ -1,0 +1,58 @@
+"""Which rank torchrun's agent names as the cause when several failed in one look.
+
+Devices: none (torchrun's failure records and a report folder, in this process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from paratrain.launching.agent import root_first
+from paratrain.utils.reports import ReportFolder
+
+
+def _seen(rank: int, exitcode: int, tmp_path: Path, at: int = 1000) -> ProcessFailure:
+    """A failure as torchrun records it: no error file, seen at ``at`` (whole seconds)."""
+    failure = ProcessFailure(rank, 4000 + rank, exitcode, str(tmp_path / "no-error-file"))
+    failure.timestamp = at
+    return failure
+
+
+def test_the_rank_that_reported_first_is_the_cause_though_torchrun_saw_both_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 raised; rank 0 then failed in a collective (its peer was gone). torchrun saw
+    both in the same second and would name rank 0, the lower rank."""
+    reports = ReportFolder(tmp_path)
+    reports.failed(0, 1, "crash", "ValueError: boom")
+    reports.failed(0, 0, "crash", "RuntimeError: Connection reset by peer")
+    seen = ChildFailedError("fails.py", {0: _seen(0, 1, tmp_path), 1: _seen(1, 1, tmp_path)})
+    assert seen.get_first_failure()[0] == 0  # torchrun's own pick
+
+    named = root_first(seen, reports)
+    assert isinstance(named, ChildFailedError)
+    assert named.get_first_failure()[0] == 1
+    assert set(named.failures) == {0, 1}
+    assert "rank      : 1 " in named.format_msg().split("Root Cause", 1)[1]
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_before_one_that_reported(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 was killed (no report); rank 0 reported its failed collective first, and was
+    seen a second earlier."""
+    reports = ReportFolder(tmp_path)
+    reports.failed(0, 0, "crash", "RuntimeError: Connection closed by peer")
+    seen = {0: _seen(0, 1, tmp_path, at=999), 1: _seen(1, -9, tmp_path, at=1000)}
+    named = root_first(ChildFailedError("train", seen), reports)
+    assert isinstance(named, ChildFailedError)
+    rank, failure = named.get_first_failure()
+    assert rank == 1 and failure.signal_name() == "SIGKILL"
+
+
+def test_one_failure_is_its_own_cause(tmp_path: Path) -> None:
+    seen = ChildFailedError("train", {1: _seen(1, 1, tmp_path)})
+    named = root_first(seen, ReportFolder(tmp_path))
+    assert isinstance(named, ChildFailedError) and named.get_first_failure()[0] == 1
