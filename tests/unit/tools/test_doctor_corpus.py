@@ -194,6 +194,11 @@ JUDGED: dict[str, list[tuple[int, str, bool, str]]] = {
     "pytorch_gan_cyclegan/utils.py": [],
     # measured as held out first, then tuned on (the rule changes they led to are in
     # test_doctor_unseen); what doctor said of them before is in docs/doctor.md
+    "barlowtwins/evaluate.py": [
+        (210, "wrapped-state-dict", False, "a resume checkpoint the script loads back into DDP"),
+    ],
+    # the wrapped checkpoint resumes the DDP model; resnet50.pth is saved from model.module
+    "barlowtwins/main.py": [],
     "kair/main_train_psnr.py": [  # its DistributedSampler shuffles as a config says: unsure
         (104, "unguarded-output", True, PER_RANK + " ('Random seed')"),
     ],
@@ -232,6 +237,13 @@ JUDGED: dict[str, list[tuple[int, str, bool, str]]] = {
     "nanodet/nanodet/util/yacs.py": [],
     # its loader goes to a trainer of the nanodet package, which calls set_epoch: unsure
     "nanodet/tools/deprecated/train.py": [],
+    "vicreg/augmentations.py": [],
+    "vicreg/distributed.py": [],
+    "vicreg/evaluate.py": [
+        (303, "wrapped-state-dict", False, "a resume checkpoint the script loads back into DDP"),
+    ],
+    "vicreg/main_vicreg.py": [],  # like barlowtwins/main.py
+    "vicreg/resnet.py": [],
 }
 
 

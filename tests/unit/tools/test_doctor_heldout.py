@@ -151,6 +151,27 @@ JUDGED: dict[str, list[tuple[int, str, str, str]]] = {
         (401, "unguarded-output", "true", PER_RANK + " ('Main training loop ended')"),
         (479, "create-then-move", "true", "torch.tensor(0).cuda()"),
     ],
+    # added later, judged before any rule was changed for it; args.nr is the node's rank,
+    # so every process of node 0 prints and saves; its misses: the LR scheduler stepped on
+    # node 0 alone (main.py:142), MASTER_ADDR 127.0.0.1 when it runs on several nodes (169)
+    "simclr/linear_evaluation.py": [
+        (77, "sync-every-step", "true", "(predicted == y).sum().item() every step"),
+        (83, "sync-every-step", "true", SYNC),
+        (152, "loader-pin-memory", "true", "the training loader feeding CUDA, not pinned"),
+        (160, "loader-pin-memory", "true", "the test loader, the same"),
+    ],
+    "simclr/main.py": [
+        (48, "unguarded-output", "true", "under args.nr == 0 (the node): every GPU of node 0"),
+        (54, "sync-every-step", "true", "loss_epoch += loss.item() every step"),
+        (91, "loader-pin-memory", "true", ".cuda(non_blocking=True) from pageable memory"),
+        (145, "unguarded-output", "true", "save_model under args.nr == 0: every GPU of node 0"),
+        (150, "unguarded-output", "true", "under args.nr == 0: every GPU of node 0"),
+        (156, "unguarded-output", "true", "save_model() after training, on every process"),
+        (170, "fixed-port", "true", "MASTER_PORT 8000 written in the script"),
+    ],
+    "simclr/simclr/modules/nt_xent.py": [
+        (50, "create-then-move", "true", "torch.zeros(N).to(positive_samples.device)"),
+    ],
     "pytorch_gan/dcgan.py": [
         (122, "loader-pin-memory", "true", "MNIST loader feeding CUDA, not pinned"),
         (

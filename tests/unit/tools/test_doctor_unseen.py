@@ -125,3 +125,23 @@ def test_a_shuffle_read_from_a_config_is_unsure() -> None:
     """
     assert _said(source) == ([], [(3, "set-epoch")])
     assert _said(source.replace('opt["shuffle"]', "False")) == ([], [])
+
+
+def test_a_resume_checkpoint_beside_an_unwrapped_export_is_left_alone() -> None:
+    """Barlow Twins, VICReg: the wrapped state_dict goes to a checkpoint the script loads
+    back into the same DDP model; what others load is saved from ``model.module``."""
+    source = """
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("nccl")
+        model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0])
+        for epoch in range(10):
+            if dist.get_rank() == 0:
+                state = dict(epoch=epoch + 1, model=model.state_dict())
+                torch.save(state, "checkpoint.pth")
+        if dist.get_rank() == 0:
+            torch.save(model.module.backbone.state_dict(), "resnet50.pth")
+    """
+    assert _said(source) == ([], [])
+    only_wrapped = source.replace('model.module.backbone.state_dict(), "resnet50.pth"', "0, 'x'")
+    assert _said(only_wrapped) == ([(9, "wrapped-state-dict")], [])
