@@ -199,6 +199,18 @@ JUDGED: dict[str, list[tuple[int, str, bool, str]]] = {
     ],
     # the wrapped checkpoint resumes the DDP model; resnet50.pth is saved from model.module
     "barlowtwins/main.py": [],
+    # th.save under `if dist.get_rank() == 0` in TrainLoop.save, whose barrier follows
+    "improved_diffusion/improved_diffusion/__init__.py": [],
+    "improved_diffusion/improved_diffusion/dist_util.py": [],
+    "improved_diffusion/improved_diffusion/fp16_util.py": [],
+    "improved_diffusion/improved_diffusion/image_datasets.py": [],
+    "improved_diffusion/improved_diffusion/logger.py": [],
+    "improved_diffusion/improved_diffusion/resample.py": [],
+    "improved_diffusion/improved_diffusion/script_util.py": [],
+    "improved_diffusion/improved_diffusion/train_util.py": [],
+    "improved_diffusion/scripts/image_nll.py": [],
+    "improved_diffusion/scripts/image_sample.py": [],
+    "improved_diffusion/scripts/image_train.py": [],
     "kair/main_train_psnr.py": [  # its DistributedSampler shuffles as a config says: unsure
         (104, "unguarded-output", True, PER_RANK + " ('Random seed')"),
     ],

@@ -145,3 +145,26 @@ def test_a_resume_checkpoint_beside_an_unwrapped_export_is_left_alone() -> None:
     assert _said(source) == ([], [])
     only_wrapped = source.replace('model.module.backbone.state_dict(), "resnet50.pth"', "0, 'x'")
     assert _said(only_wrapped) == ([(9, "wrapped-state-dict")], [])
+
+
+def test_torch_save_is_not_the_files_own_save_method_with_a_barrier() -> None:
+    """improved-diffusion: ``def save(self)`` ends with ``dist.barrier()``, and writes with
+    ``th.save`` under ``if dist.get_rank() == 0``: torch's save is no collective."""
+    source = """
+        import torch as th
+        import torch.distributed as dist
+
+        class TrainLoop:
+            def save(self):
+                if dist.get_rank() == 0:
+                    th.save(self.model.state_dict(), "model.pt")
+                dist.barrier()
+
+            def run(self):
+                if dist.get_rank() == 0:
+                    self.save()
+
+        dist.init_process_group("nccl")
+        TrainLoop().run()
+    """
+    assert _said(source) == ([(13, "collective-under-guard")], [])
