@@ -140,6 +140,54 @@ JUDGED: dict[str, list[tuple[int, str, str, str]]] = {
         (327, "unguarded-output", "true", PER_RANK + " (the validation summary)"),
         (372, "unguarded-output", "true", PER_RANK + " (ProgressMeter.display)"),
     ],
+    # added later, judged before any rule was changed for it; its miss: a training loss,
+    # reduced only at the logging steps, steps ReduceLROnPlateau between them (main.py:351)
+    "disruptcnn/main.py": [
+        (214, "unguarded-output", "true", PER_RANK + " (print(args))"),
+        (270, "unguarded-output", "true", PER_RANK + " (resuming)"),
+        (296, "unguarded-output", "true", PER_RANK + " (resumed)"),
+        (299, "unguarded-output", "true", PER_RANK + " (no checkpoint)"),
+        (389, "wrapped-state-dict", "true", "the DDP model's 'module.' keys"),
+        (401, "unguarded-output", "true", PER_RANK + " ('Main training loop ended')"),
+        (479, "create-then-move", "true", "torch.tensor(0).cuda()"),
+    ],
+    # added later, judged before any rule was changed for it; args.nr is the node's rank,
+    # so every process of node 0 prints and saves; its misses: the LR scheduler stepped on
+    # node 0 alone (main.py:142), MASTER_ADDR 127.0.0.1 when it runs on several nodes (169)
+    "simclr/linear_evaluation.py": [
+        (77, "sync-every-step", "true", "(predicted == y).sum().item() every step"),
+        (83, "sync-every-step", "true", SYNC),
+        (152, "loader-pin-memory", "true", "the training loader feeding CUDA, not pinned"),
+        (160, "loader-pin-memory", "true", "the test loader, the same"),
+    ],
+    "simclr/main.py": [
+        (48, "unguarded-output", "true", "under args.nr == 0 (the node): every GPU of node 0"),
+        (54, "sync-every-step", "true", "loss_epoch += loss.item() every step"),
+        (91, "loader-pin-memory", "true", ".cuda(non_blocking=True) from pageable memory"),
+        (145, "unguarded-output", "true", "save_model under args.nr == 0: every GPU of node 0"),
+        (150, "unguarded-output", "true", "under args.nr == 0: every GPU of node 0"),
+        (156, "unguarded-output", "true", "save_model() after training, on every process"),
+        (170, "fixed-port", "true", "MASTER_PORT 8000 written in the script"),
+    ],
+    "simclr/simclr/modules/nt_xent.py": [
+        (50, "create-then-move", "true", "torch.zeros(N).to(positive_samples.device)"),
+    ],
+    # added later, judged before any rule was changed for it; its miss: the best checkpoint
+    # picked on one process's share of the validation loss (train.py:448)
+    "transformer_xl/train.py": [
+        (
+            334,
+            "unguarded-output",
+            "debatable",
+            "every process writes the corpus cache, but under a file lock, and only once",
+        ),
+        (653, "dataparallel-on-cpu", "false", "g.state.model was moved to the device (626)"),
+        (665, "unguarded-output", "true", PER_RANK + " ('epoch -- N')"),
+        (691, "unguarded-output", "true", "a debugging print of every batch, on every process"),
+        (692, "create-then-move", "true", "torch.tensor(data.shape[1]).to(g.device) each step"),
+        (716, "sync-every-step", "true", "torch.sum(util.flat_param(model)).item() each step"),
+        (811, "unguarded-output", "true", PER_RANK + " ('zero tokens in last epoch')"),
+    ],
     "pytorch_gan/dcgan.py": [
         (122, "loader-pin-memory", "true", "MNIST loader feeding CUDA, not pinned"),
         (

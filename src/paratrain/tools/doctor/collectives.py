@@ -96,12 +96,13 @@ class Collectives:
                     changed = True
         return functions, methods
 
-    @staticmethod
-    def _helper_call(call: ast.Call, functions: set[str], methods: set[str]) -> bool:
+    def _helper_call(self, call: ast.Call, functions: set[str], methods: set[str]) -> bool:
         func = call.func
         if isinstance(func, ast.Name):
             return func.id in functions
-        return isinstance(func, ast.Attribute) and func.attr in methods
+        # `th.save(...)` is torch's, not the file's own `def save(self)` that has a barrier
+        imported = self.script.full_name(func) is not None
+        return isinstance(func, ast.Attribute) and func.attr in methods and not imported
 
     def is_collective(self, call: ast.Call) -> bool:
         functions, methods = self._helpers

@@ -56,9 +56,21 @@ def mentions_rank(node: ast.AST) -> bool:
     if any(_RANK_WORDS.search(name) for name in identifiers(node)):
         return True
     return any(
-        isinstance(n, ast.Constant) and n.value in _RANK_VARIABLES
+        _names_a_rank(n, n.slice if isinstance(n, ast.Subscript) else None)
         for n in ast.walk(node)
-        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        if isinstance(n, ast.Constant | ast.Subscript)
+    )
+
+
+def _names_a_rank(node: ast.AST, key: ast.AST | None) -> bool:
+    """An environment variable that holds a rank (``"RANK"``), or a rank kept in a mapping:
+    ``opt["rank"]``, ``cfg["local_rank"]`` (KAIR's options)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in _RANK_VARIABLES
+    return (
+        isinstance(key, ast.Constant)
+        and isinstance(key.value, str)
+        and _RANK_WORDS.search(key.value) is not None
     )
 
 

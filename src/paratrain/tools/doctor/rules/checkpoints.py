@@ -90,8 +90,25 @@ def _saved_layers(script: Script) -> list[tuple[ast.Call, str, str]]:
     return list(found.values())
 
 
+def _unwrapped_saved(script: Script) -> set[tuple[int, str]]:
+    """(function, model) where that function also saves the model's unwrapped state
+    (``model.module.backbone.state_dict()``): its wrapped state_dict is a resume checkpoint,
+    'module.' keys and all, by design (Barlow Twins, VICReg save both in one function)."""
+    found: set[tuple[int, str]] = set()
+    for call, saved in saves(script):
+        statement = script.statement(call)
+        for owner, _ in _state_dicts(script, saved, statement):
+            name = dotted(owner)
+            if name is not None and ".module" in name:
+                found.add((id(script.scope(call)), name.split(".module")[0]))
+    return found
+
+
 def _wrapped_state_dict(script: Script) -> Iterator[Hit]:
+    exported = _unwrapped_saved(script)
     for call, owner in _prefixed(script, WRAP):
+        if (id(script.scope(call)), owner) in exported:
+            continue
         yield Hit(
             call,
             f"{owner} is wrapped (DataParallel/DDP), so every key of {owner}.state_dict() "

@@ -11,6 +11,8 @@ from paratrain.tools.doctor.rules.base import Hit, Rule
 from paratrain.tools.doctor.script import Script, own_nodes
 
 _ALL_REDUCE = ("torch.distributed.all_reduce", "torch.distributed.all_reduce_coalesced")
+#: what registers a function to run on a parameter's gradient during backward
+_HOOKS = ("register_hook", "register_post_accumulate_grad_hook")
 
 
 def _reduces_grads(script: Script, loop: ast.For | ast.AsyncFor) -> ast.Call | None:
@@ -38,10 +40,43 @@ def _iterates_parameters(loop: ast.For | ast.AsyncFor) -> str | None:
     return None
 
 
+def _ddp_calls(script: Script) -> list[ast.Call]:
+    """Calls of DDP, and of the file's own classes that average gradients as DDP does."""
+    own = _averaging_wrappers(script)
+    local = [
+        call
+        for call in script.nodes(ast.Call)
+        if isinstance(call.func, ast.Name)
+        and call.func.id in own
+        and call.func.id not in script.imports
+    ]
+    return [*script.calls(DDP), *local] if own else list(script.calls(DDP))
+
+
+def _averaging_wrappers(script: Script) -> set[str]:
+    """The file's classes that all-reduce gradients from a hook they register on the
+    parameters: a DistributedDataParallel of their own (the early PyTorch tutorials')."""
+    found: set[str] = set()
+    for cls in script.nodes(ast.ClassDef):
+        calls = [n for n in ast.walk(cls) if isinstance(n, ast.Call)]
+        hooks = any(isinstance(c.func, ast.Attribute) and c.func.attr in _HOOKS for c in calls)
+        reduces = any(script.full_name(c.func) in _ALL_REDUCE for c in calls)
+        if (
+            hooks
+            and reduces
+            and any(isinstance(n, ast.Attribute) and n.attr == "grad" for n in ast.walk(cls))
+        ):
+            found.add(cls.name)
+    return found
+
+
 def _wrapped_by_ddp(script: Script) -> set[str]:
     """Names that hold a DDP model, and the names of the models wrapped."""
     names = set(script.instances(DDP))
-    for call in script.calls(DDP):
+    for call in _ddp_calls(script):
+        parent = script.parents.get(call)
+        if isinstance(parent, ast.Assign):  # model = OwnDistributedDataParallel(model)
+            names.update(name for t in parent.targets if (name := dotted(t)) is not None)
         if call.args and (inner := dotted(call.args[0])) is not None:
             names.add(inner)
     return names
@@ -82,7 +117,7 @@ def _apart(script: Script, reduce: ast.AST, model: str | None) -> bool:
     use_cuda: average_gradients(model)`` (the CPU branch, where DDP was not built)."""
     wraps = [
         call
-        for call in script.calls(DDP)
+        for call in _ddp_calls(script)
         if (call.args and dotted(call.args[0]) == model)
         or any(dotted(t) == model for t in getattr(script.parents.get(call), "targets", []))
     ]

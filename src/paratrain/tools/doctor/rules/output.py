@@ -50,13 +50,25 @@ def _logging_per_rank(script: Script) -> bool:
 
 def _print_replaced(script: Script) -> bool:
     """``builtins.print = ...`` (the ``setup_for_distributed`` of torchvision's references,
-    DINO, DeiT, seed 004), here or in a local module the script imports: print is already
-    rank-aware."""
+    DINO, DeiT, seed 004), or ``sys.stdout`` replaced by rank (a writer that labels each
+    line with the rank, ``/dev/null`` under ``if rank > 0:``), here or in a local module the
+    script imports: print is already rank-aware."""
     return any(
-        any(isinstance(t, ast.Attribute) and t.attr == "print" for t in node.targets)
+        _replaces_print(module, node)
         for module in script.modules
         for node in module.nodes(ast.Assign)
     )
+
+
+def _replaces_print(module: Script, node: ast.Assign) -> bool:
+    for target in node.targets:
+        if isinstance(target, ast.Attribute) and target.attr == "print":
+            return True
+        if dotted(target) == "sys.stdout" and (
+            mentions_rank(node.value) or lexically_guarded(module, node)
+        ):
+            return True
+    return False
 
 
 def _kind(

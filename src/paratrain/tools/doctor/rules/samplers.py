@@ -89,7 +89,7 @@ def _set_epoch(script: Script) -> Iterator[Hit]:
     loaders_by_scope = _loaders_by_scope(script)
     for call in script.calls(DISTRIBUTED_SAMPLER):
         shuffle = keyword(call, "shuffle", 3)
-        if has_kwargs_splat(call) or (shuffle is not None and not _is_true(shuffle)):
+        if has_kwargs_splat(call) or (isinstance(shuffle, ast.Constant) and not _is_true(shuffle)):
             continue
         if _evaluation(script, call, loaders_by_scope):
             continue  # the order of evaluation does not matter; eval-distributed-sampler says more
@@ -98,7 +98,24 @@ def _set_epoch(script: Script) -> Iterator[Hit]:
             "DistributedSampler without set_epoch: every epoch repeats the same shuffle",
             "call sampler.set_epoch(epoch) at the start of every epoch (paratrain's "
             "rt.setup_loader(loader) shuffles anew every epoch by itself)",
+            # handed to code doctor could not read (a trainer of another package), the
+            # sampler may get its set_epoch there; a shuffle read from a config may be off
+            (shuffle is None or _is_true(shuffle))
+            and not escapes(script, _fed(script, call, loaders_by_scope)),
         )
+
+
+def _fed(script: Script, sampler: ast.Call, loaders_by_scope: _LoaderIndex) -> set[str]:
+    """The names of the sampler and of the loaders it feeds."""
+    name = _assigned_name(script, sampler)
+    keys: list[int | str] = [id(sampler), *([name] if name else [])]
+    scope = id(script.scope(sampler))
+    loaders = {
+        _assigned_name(script, loader)
+        for key in keys
+        for loader in loaders_by_scope.get((scope, key), [])
+    }
+    return {n for n in [name, *loaders] if n is not None}
 
 
 def _is_true(node: ast.expr) -> bool:
