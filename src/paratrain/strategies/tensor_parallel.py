@@ -81,6 +81,20 @@ def parallelize(model: GPT, mesh: DeviceMesh) -> None:
         said.addFilter(_gathers_in_turn)
 
 
+def one_process_part(model: GPT, tp: int) -> GPT:
+    """``model`` cut to what one process of a group of ``tp`` holds and computes, as plain
+    layers (``paratrain plan`` traces it): each block's qkv, proj and MLP layers 1/tp as wide
+    on the side ``parallelize`` splits, its heads 1/tp, the rest whole."""
+    for block in _blocks(model):
+        width, hidden = block.qkv.in_features, cast(nn.Linear, block.mlp[0]).out_features
+        block.qkv = nn.Linear(width, _PARTS * width // tp)
+        block.proj = nn.Linear(width // tp, width)
+        block.mlp[0] = nn.Linear(width, hidden // tp)
+        block.mlp[2] = nn.Linear(hidden // tp, width)
+        block.heads //= tp
+    return model
+
+
 def _gathers_in_turn(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not ("sequential all_gather" in message and "to (Replicate(), Replicate())" in message)
