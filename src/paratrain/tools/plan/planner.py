@@ -131,7 +131,7 @@ def plan_memory(
     plan = MemoryPlan(model, batch, precision, device_memory, memory_source, shared)
     chosen = layouts(devices, accelerator, copies is not None, pairs is not None)
     for layout in chosen:  # the traces the requested batch needs, before any estimate
-        if layout.tp > 1:
+        if layout.tp > 1:  # from its own traces (below)
             continue
         traces.at(layout.per_device(batch))
     traces.at(batch)
