@@ -65,7 +65,6 @@ def _one_step(rt: paratrain.Runtime) -> tuple[dict[str, torch.Tensor], dict[str,
     return plain_state_dict(model), grads
 
 
-@pytest.mark.slow
 def test_tp_2_gathers_the_plain_weights_and_one_process_gradients() -> None:
     """One step on a 1 x 2 mesh (the layers split in two, fsdp over one row): the gathered
     weights are the plain ones (qkv's rows are cut in each of q, k and v), and the gathered
