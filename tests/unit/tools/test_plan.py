@@ -276,7 +276,7 @@ def test_fsdp_x_tp_prediction_within_15_percent_of_four_real_processes() -> None
     by = {p.layout: p.peak for p in plan.layouts}
     print(f"\nfsdp x tp 2x2: predicted {by['fsdp x tp 2x2']}, measured {measured[0]} bytes")
     assert abs(by["fsdp x tp 2x2"] / measured[0] - 1) <= 0.15, (by, measured)
-    assert tensor_parallel_tracer(_builders()["digits"][0], 4, "32", None) == (None, "")
+    assert tensor_parallel_tracer(recipe_builder("digits")[0], 4, "32", None) == (None, "")
     odd_heads = tensor_parallel_tracer(_gpt_with_heads(3), 4, "32", None)
     assert (
         odd_heads[0] is None
