@@ -60,8 +60,6 @@ _LAYOUTS = {
     "timm.models.resnet.ResNet": RESNET,
 }
 
-SUPPORTED = ("timm VisionTransformer (vit_*)", "timm ResNet")
-
 #: plain attributes the stage copies from the model (what timm's helpers read)
 _PLAIN = (bool, int, float, str, type(None))
 
