@@ -123,7 +123,8 @@ class PipelineLoader(DeviceLoader):
                 yield batch, 1.0
             return
         held: Any = None  # the last batch: a stand-in once this part has run out
-        for batch in itertools.islice(local, self._start):  # trained on before a resume
+        # trained on before a resume (a stream drawn without end is not read again)
+        for batch in itertools.islice(local, self._start if self.part.bounded else 0):
             held = batch
         while True:
             batch = next(local, None)
