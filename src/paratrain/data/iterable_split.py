@@ -23,10 +23,11 @@ before a resumed position, or only in the other processes' parts, is not read.
 A data set that splits itself is left as it is (it would lose items split again): one that
 says ``splits_itself = True``, or one whose ``__iter__`` calls ``get_worker_info()``
 (torch's documented way); on several processes, one of those is refused for training, and
-for evaluation unless it says ``splits_itself``. A ``webdataset`` pipeline is split by its
-shards instead (:mod:`paratrain.data.wds_pipeline`). So is a loader without a ``batch_size``, whose items are split one by
-one (:class:`SplitIterable`). Hugging Face ``datasets``' iterable data sets are read whole
-in every worker (their rows, through ``iter``) and split by the rule.
+for evaluation unless it says ``splits_itself``. So is a loader without a ``batch_size``,
+whose items are split one by one (:class:`SplitIterable`). Hugging Face ``datasets``'
+iterable data sets are read whole in every worker (their rows, through ``iter``) and split
+by the rule. A ``webdataset`` pipeline is split by its shards instead
+(:mod:`paratrain.data.wds_pipeline`).
 """
 
 from __future__ import annotations
