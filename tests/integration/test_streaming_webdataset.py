@@ -58,14 +58,23 @@ def _setup(rt: paratrain.Runtime, urls: list[str], workers: int, web_loader: boo
     return model, optimizer, rt.setup_loader(_loader(urls, workers, web_loader))
 
 
-def _train(rt: paratrain.Runtime, model: Any, optimizer: Any, loader: Any, stop: Any) -> Any:
+def _train(
+    rt: paratrain.Runtime,
+    model: Any,
+    optimizer: Any,
+    loader: Any,
+    stop: Any,
+    weights: list[float] | None = None,
+) -> Any:
     """Up to ``stop`` steps of ``loader``'s epoch (all: None); the samples of each step's
-    batch on this process (none for a stand-in)."""
+    batch on this process (none for a stand-in), each step's loss weight into ``weights``."""
     steps: list[list[int]] = []
     for index, (i,) in enumerate(loader):
         info = batch_info(i)
         assert info is not None
         steps.append([] if info.stand_in else i.tolist())
+        if weights is not None:
+            weights.append(info.loss_weight)
         x = i.float().unsqueeze(1) / SAMPLES
         rt.backward((model(x) - x.sin()).pow(2).mean())
         optimizer.step()
@@ -83,7 +92,9 @@ def _counts(rt: paratrain.Runtime, steps: list[list[int]]) -> list[int]:
 
 def _epochs(rt: paratrain.Runtime, urls: list[str], workers: int, web_loader: bool) -> Any:
     model, optimizer, loader = _setup(rt, urls, workers, web_loader)
-    epochs = [_train(rt, model, optimizer, loader, None) for _ in range(2)]
+    weights: list[float] = []
+    epochs = [_train(rt, model, optimizer, loader, None, weights) for _ in range(2)]
+    sizes = torch.tensor([len(step) for steps in epochs for step in steps])
     with torch.no_grad():
         evaluated = rt.setup_loader(_loader(urls, workers), evaluation=True)
         seen = [[int(i) for (batch,) in evaluated for i in batch]]
@@ -92,6 +103,8 @@ def _epochs(rt: paratrain.Runtime, urls: list[str], workers: int, web_loader: bo
         "steps": [len(steps) for steps in epochs],
         "evaluated": _counts(rt, seen),
         "mine": sorted(i for step in epochs[0] for i in step),
+        "sizes": [part.tolist() for part in rt.all_gather(sizes)],
+        "weights": [part.tolist() for part in rt.all_gather(torch.tensor(weights))],
     }
 
 
@@ -108,6 +121,12 @@ def test_a_webdataset_pipeline_trains_each_sample_once_an_epoch_on_two_processes
     # shards 0, 2 and 4 are the first process's: 60 samples, its part of every epoch
     assert result["mine"] == [*range(0, 30), *range(55, 75), *range(93, 103)]
     assert result["steps"][0] == result["steps"][1] >= 60 // (BATCH // 2)
+    # each step's loss weight is the process's share of the step's samples (0: a stand-in),
+    # so the mean of the two processes' losses is the step's mean over its samples
+    for step, sizes in enumerate(zip(*result["sizes"], strict=True)):
+        for size, weights in zip(sizes, result["weights"], strict=True):
+            assert weights[step] == pytest.approx(size * 2 / sum(sizes))
+    assert 0.0 in result["weights"][1]  # the shorter part (43 samples) ran out first
 
 
 def _stopped_and_resumed(

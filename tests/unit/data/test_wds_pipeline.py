@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from paratrain.data.pipeline_loader import batch_length
+from paratrain.data.loaders import pipeline_loader
+from paratrain.data.pipeline_loader import PipelineLoader, batch_length
 from paratrain.data.wds_pipeline import PipelinePart, is_pipeline, unwrap_web_loader
 from paratrain.utils.errors import UserError
 
@@ -107,3 +108,23 @@ def test_a_batch_length_is_its_first_tensor_s() -> None:
     assert batch_length((torch.zeros(5, 2), torch.zeros(5))) == 5
     assert batch_length({"x": [torch.zeros(3)]}) == 3
     assert batch_length(torch.tensor(1.0)) == 1
+
+
+@pytest.mark.parametrize(
+    ("seed", "resampled", "says"),
+    [
+        (3, False, "exact: its shuffle buffers are seeded from the run's seed"),
+        (None, False, "not exact: with no run seed"),
+        (None, True, "draws its shards without end: no epoch ends"),
+    ],
+)
+def test_setup_says_in_one_line_what_is_exact(
+    seed: int | None, resampled: bool, says: str, tmp_path: Path
+) -> None:
+    urls = _urls(tmp_path)
+    pipeline = wds.WebDataset(urls, shardshuffle=False, resampled=resampled).to_tuple("cls")
+    made = pipeline_loader(DataLoader(pipeline, batch_size=4), 1, 2, seed, pin_memory=False)
+    note = PipelineLoader(made, torch.device("cpu"), None, None, False).note(2, 0)
+    assert says in note and "\n" not in note
+    assert resampled or "7 shards go to 2 process(es) x 1 worker(s)" in note
+    assert made.batch_size == 2  # a global batch of 4: this process's part of it
