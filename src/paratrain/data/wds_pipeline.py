@@ -16,7 +16,8 @@ A shuffle buffer (``.shuffle(N)``, ``shardshuffle=N``) cannot be saved: a resume
 reads its shards again from their start and passes over the batches already trained on.
 That is exact where the buffers draw the same order again, so with a run seed
 (``Runtime(seed=N)``) each buffer is seeded from the seed, the epoch, the process, the
-worker and its place in the pipeline (a new order each epoch, the same on a resume); with
+worker and its place in the pipeline (a new order each epoch, the same on a resume; a
+``detshuffle`` is also told the epoch, which it otherwise counts itself); with
 no run seed, webdataset draws from the clock and a resumed epoch's order differs.
 A ``ResampledShards`` source (``resampled=True``) draws shards at random without end: it is
 not split, and its epochs have no end (see "an unbounded stream" in the docs).
@@ -99,8 +100,9 @@ class PipelinePart(IterableDataset[Any]):
 
     def __init__(self, pipeline: Any, part: int, parts: int, seed: int | None) -> None:
         if not pipeline.pipeline or not hasattr(pipeline.pipeline[0], "urls"):
+            first = type(pipeline.pipeline[0]).__name__ if pipeline.pipeline else "nothing"
             raise UserError(
-                f"the webdataset pipeline starts with {type(pipeline.pipeline[0]).__name__}, "
+                f"the webdataset pipeline starts with {first}, "
                 "not a list of shards; build it as wds.WebDataset(urls) or "
                 "wds.DataPipeline(wds.SimpleShardList(urls), ...)"
             )
@@ -138,10 +140,18 @@ class PipelinePart(IterableDataset[Any]):
         for place, stage in enumerate(stages[1:], start=1):
             if _name(stage) in _SPLITTERS:
                 continue
-            if _shuffles(stage) and self.seed is not None:
-                seed = hash((self.seed, self.epoch, self.part, worker, place)) & 0x7FFFFFFF
-                stage = type(stage)(stage.f, *stage.args, **{**stage.kw, "seed": seed, "rng": None})
-            yield stage
+            yield self._seeded(stage, place, worker)
+
+    def _seeded(self, stage: Any, place: int, worker: int) -> Any:
+        """``stage``, a shuffle of it drawing this epoch's order from the run's seed."""
+        seed = hash((self.seed, self.epoch, self.part, worker, place)) & 0x7FFFFFFF
+        if _shuffles(stage) and self.seed is not None:
+            return type(stage)(stage.f, *stage.args, **{**stage.kw, "seed": seed, "rng": None})
+        if type(stage).__name__ == "detshuffle":  # it counts its epochs: told this one
+            stage = copy.copy(stage)
+            stage.epoch = self.epoch - 1  # its run() adds 1
+            stage.seed = stage.seed if self.seed is None else seed
+        return stage
 
 
 class _Split:

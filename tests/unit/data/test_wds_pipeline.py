@@ -83,6 +83,24 @@ def test_shuffle_buffers_follow_the_run_seed_and_the_epoch(tmp_path: Path) -> No
     assert _numbers(other) != first
 
 
+def test_a_deterministic_shard_shuffle_is_told_the_epoch(tmp_path: Path) -> None:
+    urls = _urls(tmp_path)
+
+    def part(epoch: int) -> PipelinePart:  # a new pipeline: a process started to resume
+        made = wds.WebDataset(urls, shardshuffle=5, detshuffle=True).decode().to_tuple("cls")
+        stream = PipelinePart(made, 0, 1, seed=7)
+        stream.epoch = epoch
+        return stream
+
+    running = part(0)
+    orders = []
+    for epoch in range(3):
+        running.epoch = epoch
+        orders.append(_numbers(running))
+    assert orders[1] != orders[2]
+    assert [_numbers(part(epoch)) for epoch in range(3)] == orders
+
+
 def test_what_cannot_be_split_is_said_in_one_line(tmp_path: Path) -> None:
     urls = _urls(tmp_path)
     pipeline = wds.WebDataset(urls, shardshuffle=False).to_tuple("cls")
