@@ -217,7 +217,10 @@ JUDGED: dict[str, list[tuple[int, str, bool, str]]] = {
     "jbnu_nsmc/dataload/semti_data.py": [],
     "jbnu_nsmc/kobert_tokenizer/KoBERTTokenizer.py": [],
     "jbnu_nsmc/main.py": [  # mp.spawn: one process per GPU
-        *[(line, "unguarded-output", True, "each process logs the config") for line in (48, 50, 51)],
+        *[
+            (line, "unguarded-output", True, "each process logs its config")
+            for line in (48, 50, 51)
+        ],
         (56, "fixed-port", True, "init_method='tcp://127.0.0.1:3456'"),
         (72, "unguarded-output", True, PER_RANK + " ('loading train dataset')"),
         (75, "loader-pin-memory", True, "batches go to the GPU with .to(device), not pinned"),

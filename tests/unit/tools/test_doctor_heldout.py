@@ -202,7 +202,7 @@ JUDGED: dict[str, list[tuple[int, str, str, str]]] = {
     ],
     "spike_contrastive/wsc_launcher.py": [
         (162, "lan-address", "true", "--dist-url defaults to tcp://10.3.1.9:23456, one node"),
-        (228, "unguarded-output", "true", "print(args) in main_worker, which mp.spawn runs per GPU"),
+        (228, "unguarded-output", "true", "print(args) in main_worker: mp.spawn runs it per GPU"),
         (229, "unguarded-output", "true", PER_RANK + " ('main_worker')"),
     ],
     "pytorch_gan/dcgan.py": [
