@@ -209,3 +209,37 @@ def test_set_epoch_of_a_value_the_epoch_loop_never_changes() -> None:
                 loader.sampler.set_epoch(epoch)
     """
     assert _said(counter) == ([], [])
+
+
+def test_set_epoch_0_at_construction_then_the_epoch_each_epoch_is_left_alone() -> None:
+    """HKBU-HPML/MG-WFBP's trainer calls set_epoch(0) where it builds the sampler and
+    set_epoch(self.train_epoch) at each new epoch; Grover's test sampler does not shuffle."""
+    source = """
+        import torch
+        from torch.utils.data.distributed import DistributedSampler
+
+        class Trainer:
+            def data_prepare(self, trainset):
+                train_sampler = torch.utils.data.distributed.DistributedSampler(trainset)
+                train_sampler.set_epoch(0)
+                self.train_sampler = train_sampler
+
+            def train(self, num_of_iters):
+                for i in range(num_of_iters):
+                    if self.train_iter % self.num_batches_per_epoch == 0:
+                        self.train_epoch += 1
+                        self.train_sampler.set_epoch(self.train_epoch)
+
+        def pretrain(test_data):
+            test_sampler = DistributedSampler(test_data, shuffle=False)
+            test_sampler.set_epoch(1)
+    """
+
+    def set_epoch(text: str) -> list[tuple[int, str]]:
+        sure, unsure = _said(text)
+        return [found for found in sure + unsure if found[1] == "set-epoch"]
+
+    assert set_epoch(source) == []
+    # alone, set_epoch(0) before a loader is iterated step after step is a mistake
+    alone = source.replace("self.train_sampler.set_epoch(self.train_epoch)", "pass")
+    assert set_epoch(alone) == [(8, "set-epoch")]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from paratrain.tools.doctor.names import dotted
+from paratrain.tools.doctor.names import DISTRIBUTED_SAMPLER, dotted
 from paratrain.tools.doctor.rules.base import Hit
-from paratrain.tools.doctor.script import Script, own_nodes
+from paratrain.tools.doctor.script import Script, keyword, own_nodes
 
 #: calls that may change any attribute of an object (``setattr(args, "epochs", e)``)
 _ANY_ATTRIBUTE = {"setattr", "vars"}
@@ -32,7 +32,13 @@ def fixed_epoch(script: Script) -> Iterator[Hit]:
 
 
 def _never_changes(script: Script, call: ast.Call, arg: ast.expr) -> bool:
-    """A constant, or a name only ever assigned constants outside loops."""
+    """A constant, or a name only ever assigned constants outside loops (not for a sampler
+    that does not shuffle, nor, outside a loop, where the project also calls set_epoch with
+    a value that may change: ``set_epoch(0)`` at construction, the epoch in the loop)."""
+    if _unshuffled(script, call.func) or (
+        not script.loops_around(call) and _set_elsewhere(script, call)
+    ):
+        return False
     if isinstance(arg, ast.Constant):
         return True
     if not isinstance(arg, ast.Name):
@@ -45,6 +51,32 @@ def _never_changes(script: Script, call: ast.Call, arg: ast.expr) -> bool:
     return bool(values) and not (
         changes or _loop_target(script, arg.id) or _rebound_elsewhere(script, arg.id)
     )
+
+
+def _unshuffled(script: Script, func: ast.expr) -> bool:
+    """``x.set_epoch`` of an ``x = DistributedSampler(..., shuffle=False)``: its order never
+    depends on the epoch."""
+    name = dotted(func.value) if isinstance(func, ast.Attribute) else None
+    for value, _ in script.assigned.get(name or "", []):
+        if isinstance(value, ast.Call) and script.full_name(value.func) == DISTRIBUTED_SAMPLER:
+            shuffle = keyword(value, "shuffle", 3)
+            if isinstance(shuffle, ast.Constant) and shuffle.value is False:
+                return True
+    return False
+
+
+def _set_elsewhere(script: Script, call: ast.Call) -> bool:
+    """Whether the project calls set_epoch elsewhere with an argument that is not a
+    constant."""
+    if "varying_set_epoch" not in script.memo:
+        script.memo["varying_set_epoch"] = [
+            other
+            for module in script.modules
+            for other in module.method_calls("set_epoch")
+            if not (len(other.args) == 1 and isinstance(other.args[0], ast.Constant))
+        ][:2]  # two are enough to know whether one is not ``call``
+    varying: list[ast.Call] = script.memo["varying_set_epoch"]
+    return any(other is not call for other in varying)
 
 
 def _same_each_pass(script: Script, call: ast.Call, arg: ast.expr) -> bool:
