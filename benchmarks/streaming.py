@@ -8,7 +8,10 @@ The samples: 16 float32 features and an int64 label each. The sources, one proce
 loader's batch of 256: a map-style ``TensorDataset`` (in memory; batches cut out of its
 tensors, and through the DataLoader's ``__getitem__`` and collate), a plain ``IterableDataset``
 over the same tensors (in memory, a stream), and the same samples written as tar shards
-(``paratrain.data.shards``) read with 0 and with 2 DataLoader workers. Resuming: a fresh
+(``paratrain.data.shards``) read with 0 and with 2 DataLoader workers, and the same shards
+read by a plain webdataset pipeline (``wds.WebDataset(urls).decode().to_tuple(...)``) in a
+torch DataLoader, alone and through ``rt.setup_loader`` (paratrain's split by shards, its
+per-step bookkeeping): the difference is what paratrain adds to a user's pipeline. Resuming: a fresh
 loader given the position of batch 10% and 90% into the epoch (``load_state_dict``), timed
 to its first batch. Shards seek (the shards before the position are not opened), so their
 time must not grow with the position; a plain stream reads up to it.
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import paratrain
@@ -77,6 +81,25 @@ def _resume_time(make: Callable[[], Any], batch: int, repeats: int) -> str:
         next(iter(loader))
         times.append(time.perf_counter() - start)
     return _spread(times)
+
+
+def _pipeline_rows(rt: paratrain.Runtime, folder: str, samples: int, epochs: int) -> None:
+    """The shards read by a plain webdataset pipeline, alone and through rt.setup_loader."""
+    urls = sorted(str(path) for path in Path(folder).glob("*.tar"))
+
+    def pipeline(workers: int, through_rt: bool) -> Callable[[], Any]:
+        def make() -> Any:
+            data = wds.WebDataset(urls, shardshuffle=False).decode().to_tuple("0.npy", "1.npy")
+            made = DataLoader(data, batch_size=BATCH, num_workers=workers)
+            return rt.setup_loader(made) if through_rt else made
+
+        return make
+
+    for workers in (0, 2):
+        for through_rt in (False, True):
+            rate = _epoch_rate(pipeline(workers, through_rt), samples, epochs)
+            how = "rt.setup_loader" if through_rt else "plain DataLoader"
+            print(f"  webdataset pipeline, {workers} workers, {how:<16} {rate}")
 
 
 def main() -> None:
@@ -133,6 +156,7 @@ def main() -> None:
         for workers in (0, 2):
             rate = _epoch_rate(sharded(workers), args.samples, args.shard_epochs)
             print(f"  shards, {workers} workers                  {rate}")
+        _pipeline_rows(rt, folder, args.samples, args.shard_epochs)
         batches = -(-args.samples // BATCH)
         print("resuming mid-epoch, time to the first batch:")
         for share in (0.1, 0.9):

@@ -62,7 +62,13 @@ def _name(index: int) -> str:
 
 
 #: the extra a block's imports need, by the module it imports
-EXTRAS = {"ray": "tune", "transformers": "hf", "torchao": "export", "webdataset": "stream"}
+EXTRAS = {
+    "ray": "tune",
+    "transformers": "hf",
+    "torchao": "export",
+    "webdataset": "stream",
+    "timm": "timm",
+}
 
 
 def _param(index: int) -> object:

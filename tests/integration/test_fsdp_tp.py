@@ -1,7 +1,7 @@
 """fsdp x tensor parallel (``--strategy fsdp --tp 2``) over 4 real gloo processes on the CPU:
 the built-in GPT split by heads and MLP width in pairs, sharded over the pairs, trains the
-model one process trains, and its checkpoint resumes on one process. Refusals and the mesh's
-shape: tests/unit/distributed/test_mesh.py."""
+model one process trains, and its checkpoint resumes on one process; over 2, one step's
+gradients are one process's. Refusals and the mesh's shape: tests/unit/distributed/test_mesh.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import paratrain
+from paratrain.checkpoints.weights import plain_state_dict
 from paratrain.data.tokens import markov_tokens
-from paratrain.distributed.dtensors import is_sharded
+from paratrain.distributed.dtensors import full, is_sharded
 from paratrain.models import GPT, TokenCrossEntropy
 from paratrain.training.recipes import GPT_CONTEXT, GPT_DEPTH, GPT_HEADS, GPT_VOCAB, GPT_WIDTH
 
@@ -52,6 +53,28 @@ def _train(rt: paratrain.Runtime, folder: str, resume: bool) -> list[tuple[int, 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _one_step(rt: paratrain.Runtime) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """tiny-gpt's model before a step, gathered whole, and its gradients after one."""
+    torch.manual_seed(0)
+    model = rt.setup(GPT(GPT_VOCAB, GPT_WIDTH, GPT_DEPTH, GPT_HEADS, GPT_CONTEXT))
+    x, y = markov_tokens(BATCH, GPT_CONTEXT)[:]
+    rt.backward(TokenCrossEntropy()(model(x), y))
+    grads = {name: full(p.grad).cpu() for name, p in model.named_parameters()}
+    return plain_state_dict(model), grads
+
+
+def test_tp_2_gathers_the_plain_weights_and_one_process_gradients() -> None:
+    """One step on a 1 x 2 mesh (the layers split in two, fsdp over one row): the gathered
+    weights are the plain ones (qkv's rows are cut in each of q, k and v), and the gathered
+    gradients one process's, the fused qkv's bias included (each process's slice of it)."""
+    weights, grads = paratrain.Runtime(strategy="cpu", seed=0).launch(_one_step)  # type: ignore[misc]
+    split = paratrain.Runtime(strategy="fsdp", devices="cpu,cpu", tp=2, seed=0)
+    split_weights, split_grads = split.launch(_one_step)  # type: ignore[misc]
+    assert _diff(split_weights, weights) == 0
+    assert grads["blocks.0.qkv.bias"].abs().min() > 0  # every head's slice has a gradient
+    assert _diff(split_grads, grads) < 1e-6
 
 
 @pytest.mark.slow

@@ -21,12 +21,13 @@ that reads only what it is asked for (:class:`RangeSource`: a length and ``read`
 before a resumed position, or only in the other processes' parts, is not read.
 
 A data set that splits itself is left as it is (it would lose items split again): one that
-says ``splits_itself = True``, one whose ``__iter__`` calls ``get_worker_info()`` (torch's
-documented way) and ``webdataset``'s pipelines split across workers themselves (on several
-processes, one of those is refused for training, and for evaluation unless it says
-``splits_itself``). So is a loader without a ``batch_size``, whose items are split one by
-one (:class:`SplitIterable`). Hugging Face ``datasets``' iterable data sets are read whole
-in every worker (their rows, through ``iter``) and split by the rule.
+says ``splits_itself = True``, or one whose ``__iter__`` calls ``get_worker_info()``
+(torch's documented way); on several processes, one of those is refused for training, and
+for evaluation unless it says ``splits_itself``. So is a loader without a ``batch_size``,
+whose items are split one by one (:class:`SplitIterable`). Hugging Face ``datasets``'
+iterable data sets are read whole in every worker (their rows, through ``iter``) and split
+by the rule. A ``webdataset`` pipeline is split by its shards instead
+(:mod:`paratrain.data.wds_pipeline`).
 """
 
 from __future__ import annotations

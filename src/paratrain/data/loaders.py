@@ -29,9 +29,15 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from paratrain.data.iterable_split import GlobalBatches, split_iterable_loader, worker_settings
+from paratrain.data.iterable_split import (
+    GlobalBatches,
+    local_span,
+    split_iterable_loader,
+    worker_settings,
+)
 from paratrain.data.placement import move_to_device
 from paratrain.data.stateful import loader_class, shuffles, splittable
+from paratrain.data.wds_pipeline import PipelinePart, is_pipeline
 from paratrain.launching.heartbeat import beat
 from paratrain.utils.errors import UserError
 
@@ -406,6 +412,8 @@ def shard_loader(
     ``batch_size``: the global batch, when it is not the loader's own (paratrain.runtime.batching);
     ``seed`` and ``agree``: where a shuffled epoch's order comes from (see the module).
     """
+    if is_pipeline(loader.dataset):
+        return pipeline_loader(loader, rank, world_size, seed, pin_memory, batch_size), None
     if isinstance(loader.dataset, IterableDataset):
         split = split_iterable_loader(
             loader, rank, world_size, pin_memory, batch_size=batch_size, evaluation=evaluation
@@ -464,3 +472,34 @@ def shard_loader(
         **worker_settings(loader, pin_memory),
     )
     return rebuilt, sampler
+
+
+def pipeline_loader(
+    loader: DataLoader[Any],
+    part: int,
+    parts: int,
+    seed: int | None,
+    pin_memory: bool,
+    batch_size: int | None = None,
+) -> DataLoader[Any]:
+    """``loader`` of a webdataset pipeline, rebuilt around this process's shards
+    (:class:`PipelinePart`); a ``batch_size`` is the global batch, split as a map-style
+    loader's is (this process batches its part of it)."""
+    size = batch_size or loader.batch_size
+    if size is not None:
+        start, end = local_span(size, part, parts)
+        if end == start:
+            raise UserError(
+                f"batch size {size} is smaller than the number of processes ({parts}); "
+                f"use a batch size of at least {parts}"
+            )
+        size = end - start
+    settings = worker_settings(loader, pin_memory)
+    settings["persistent_workers"] = False  # each epoch's workers get its epoch and seeds
+    return DataLoader(
+        PipelinePart(loader.dataset, part, parts, seed),
+        batch_size=size,
+        drop_last=loader.drop_last,
+        generator=loader.generator,
+        **settings,
+    )

@@ -24,9 +24,11 @@ from torch.utils.data import DataLoader, default_collate
 from paratrain.data.batched_loader import TensorBatchLoader
 from paratrain.data.iterable_split import GlobalBatches
 from paratrain.data.loaders import BatchSink, DeviceLoader, ShardedBatchSampler, shard_loader
+from paratrain.data.pipeline_loader import CountSamples, PipelineLoader
 from paratrain.data.stateful import keeps_position
 from paratrain.data.stream_loader import StreamLoader
 from paratrain.data.tensor_data import TensorRows, tensor_rows
+from paratrain.data.wds_pipeline import PipelinePart
 from paratrain.utils.errors import UserError
 
 DATA_PATHS = ("auto", "loader", "batched", "device")
@@ -77,10 +79,12 @@ def setup_data_path(
     device_budget_gib: float | None = None,
     batch_size: int | None = None,
     agree: Callable[[int], int] | None = None,
+    count: CountSamples | None = None,
 ) -> DeviceLoader:
     """Shard ``loader`` across processes and serve its batches the way ``data_path`` says;
     ``batch_size`` is the global batch when it is not the loader's own; ``seed`` and
-    ``agree``: where a shuffled epoch's order comes from (:mod:`paratrain.data.loaders`)."""
+    ``agree``: where a shuffled epoch's order comes from (:mod:`paratrain.data.loaders`);
+    ``count``: every process's samples in a step, for a webdataset pipeline's parts."""
     check_data_path(data_path, device_budget_gib)
     rebuilt, sampler = shard_loader(
         loader,
@@ -92,12 +96,14 @@ def setup_data_path(
         batch_size=batch_size,
         agree=agree,
     )
-    if isinstance(rebuilt.dataset, GlobalBatches):
+    if isinstance(rebuilt.dataset, (GlobalBatches, PipelinePart)):
         if data_path in ("batched", "device"):
             raise UserError(
                 f'data path "{data_path}" does not apply: the data set is iterable (no '
                 'tensors to cut batches out of); use "loader" or "auto"'
             )
+        if isinstance(rebuilt.dataset, PipelinePart):
+            return PipelineLoader(rebuilt, device, sink, count, evaluation)
         return StreamLoader(rebuilt, device, sink)
     if data_path == "loader":
         return DeviceLoader(rebuilt, device, sampler, sink)

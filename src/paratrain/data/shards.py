@@ -17,7 +17,9 @@ the samples asked for are decoded.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -175,10 +178,39 @@ def _tar_samples(file: IO[bytes], url: str, select: _Select) -> Iterator[dict[st
 
 def _decode(sample: dict[str, Any]) -> Any:
     """A sample's ``0.npy``, ``1.npy``, ... members as a tuple of tensors (one: a tensor)."""
-    handlers = _webdataset().autodecode
     fields = sorted((k for k in sample if k.endswith(".npy")), key=lambda k: int(k.split(".")[0]))
-    tensors = [torch.from_numpy(handlers.basichandlers(k, sample[k])) for k in fields]
+    tensors = [torch.from_numpy(_npy(k, sample[k])) for k in fields]
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+#: parsed ``.npy`` headers by their bytes: (dtype, shape, Fortran order); every sample of a
+#: member has the same header, and numpy parses it with ``ast.literal_eval``, which costs
+#: as much as reading the member from the tar
+_HEADERS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], bool]] = {}
+_HEADERS_KEPT = 256
+
+
+def _npy(name: str, data: bytes) -> np.ndarray[Any, Any]:
+    """A ``.npy`` member's array, its header parsed once (webdataset's decoder otherwise:
+    another version of the format, or an array of Python objects)."""
+    # the magic string (6 bytes), the version (2), the header's length (2 bytes in 1.0)
+    if data[6:8] != b"\x01\x00":
+        return _webdataset().autodecode.basichandlers(name, data)
+    start = 10 + int.from_bytes(data[8:10], "little")
+    header = data[:start]
+    known = _HEADERS.get(header)
+    if known is None:
+        stream = io.BytesIO(header)
+        np.lib.format.read_magic(stream)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        if dtype.hasobject:
+            return _webdataset().autodecode.basichandlers(name, data)
+        if len(_HEADERS) >= _HEADERS_KEPT:
+            _HEADERS.clear()
+        known = _HEADERS[header] = (dtype, shape, fortran)
+    dtype, shape, fortran = known
+    flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start)
+    return flat.reshape(shape, order="F" if fortran else "C").copy()
 
 
 def write_shards(

@@ -17,7 +17,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from paratrain.data.loaders import BatchInfo, DeviceLoader, batch_info
 from paratrain.data.paths import setup_data_path
+from paratrain.data.pipeline_loader import PipelineLoader
 from paratrain.data.placement import check_inputs_on
+from paratrain.data.wds_pipeline import unwrap_web_loader
 from paratrain.devices.precision import Precision, to_float32
 from paratrain.models.meta_init import MetaInit, is_meta
 from paratrain.runtime.activation_checkpointing import apply_activation_checkpointing
@@ -173,6 +175,7 @@ class RuntimeSetup:
         processes agree on each epoch's shuffle, and an evaluation loop over shards is
         noted until its sums are all-reduced."""
         rt = self.rt
+        loader = unwrap_web_loader(loader)  # a wds.WebLoader: its DataLoader
         shards = rt.strategy.data_shards
         if isinstance(loader.dataset, IterableDataset) and shards > 1 and evaluation:
             _refuse_uneven_forwards(rt.strategy, shards)
@@ -191,12 +194,22 @@ class RuntimeSetup:
             device_budget_gib=device_budget_gib,
             batch_size=batch_size,
             agree=self.agree_seed if rt.strategy.collective.world_size > 1 else None,
+            count=self.count_samples if shards > 1 else None,
         )
+        if isinstance(device_loader, PipelineLoader) and not evaluation:
+            self.tell("webdataset", device_loader.note(shards, loader.num_workers))
         if shards > 1:
             device_loader.on_no_grad = self.loop_started
         if rt.config.sync_batchnorm and not evaluation:
             _refuse_stand_in_statistics(device_loader, shards)
         return device_loader
+
+    def count_samples(self, mine: int) -> list[int]:
+        """Every data part's samples in this step (a webdataset pipeline's parts differ)."""
+        strategy = self.rt.strategy
+        with strategy.collective.operation("rt.setup_loader's sample count"):
+            gathered = strategy.collective.all_gather(torch.tensor(mine, dtype=torch.int64))
+        return [int(gathered[rank]) for rank in strategy.data_leaders]
 
 
 def _refuse_uneven_forwards(strategy: Strategy, shards: int) -> None:

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 
-from paratrain.strategies import decoder_stages
+from paratrain.strategies import decoder_stages, timm_stages
+from paratrain.strategies.block_cut import block_starts, min_max_partition
 from paratrain.strategies.blocks import default_blocks, has_parameters
 from paratrain.utils.errors import UserError
 
@@ -40,6 +41,9 @@ def plan_stages(
     layout = decoder_stages.decoder_layout(model)
     if layout is not None:  # a Hugging Face decoder: cut at its blocks, no tracing
         return _decoder_stages(model, layout, num_stages, split_points)
+    image = timm_stages.image_layout(model)
+    if image is not None:  # a timm ViT or ResNet: cut at its blocks, no tracing
+        return _image_stages(model, image, num_stages, split_points)
     names = {id(module): name for name, module in model.named_modules()}
     if split_points:
         units = _named_units(model, split_points, num_stages)
@@ -64,29 +68,28 @@ def _decoder_stages(
             f"--strategy pipeline cuts {kind} at its blocks, but {unsupported}; train it "
             "with --strategy fsdp or ddp"
         )
-    blocks = decoder_stages.block_names(model, layout)
     if split_points:
         _named_units(model, split_points, num_stages)
-        unknown = [name for name in split_points if name not in blocks]
-        if unknown:
-            raise UserError(
-                f"--pipeline-split {','.join(unknown)}: {kind} is cut between its blocks; "
-                f"name blocks that start stages 2, 3, ... ({blocks[1]}, ...)"
-            )
-        starts = [blocks.index(name) for name in split_points]
-        if starts != sorted(set(starts)) or 0 in starts:
-            raise UserError(
-                f"--pipeline-split {','.join(split_points)}: name blocks after the first, in "
-                "the order the model runs them"
-            )
-    elif len(blocks) < num_stages:
-        raise UserError(
-            f"--strategy pipeline with {num_stages} stages needs at least {num_stages} blocks "
-            f"to split between, and {kind} has {len(blocks)}; use fewer processes"
-        )
-    else:
-        starts = _min_max_partition(decoder_stages.segment_weights(model, layout), num_stages)
+    blocks = decoder_stages.block_names(model, layout)
+    weights = decoder_stages.segment_weights(model, layout)
+    starts = block_starts(kind, blocks, weights, num_stages, split_points)
     return decoder_stages.build_stages(model, layout, starts)
+
+
+def _image_stages(
+    model: nn.Module,
+    layout: timm_stages.ImageLayout,
+    num_stages: int,
+    split_points: Sequence[str],
+) -> list[nn.Module]:
+    if split_points:
+        _named_units(model, split_points, num_stages)
+    blocks = timm_stages.block_names(model, layout)
+    weights = timm_stages.segment_weights(model, layout)
+    aliases = timm_stages.aliases(layout, blocks)
+    kind = type(model).__name__
+    starts = block_starts(kind, blocks, weights, num_stages, split_points, aliases)
+    return timm_stages.build_stages(model, layout, starts)
 
 
 def _named_units(model: nn.Module, split_points: Sequence[str], num_stages: int) -> list[nn.Module]:
@@ -166,7 +169,8 @@ def _trace(model: nn.Module, points: Sequence[str]) -> fx.GraphModule:
             f"split points ({first}): its forward has control flow or calls that torch.fx "
             "cannot trace. Train it with --strategy fsdp (shards it across the processes, no "
             "tracing) or ddp; pipeline cuts an nn.Sequential, a model whose forward torch.fx "
-            "follows, and Hugging Face's GPT-2 and Llama causal LMs (at their blocks)"
+            "follows, Hugging Face's GPT-2 and Llama causal LMs and timm's ViT and ResNet (at "
+            "their blocks)"
         ) from None
     return fx.GraphModule(model, graph)
 
@@ -205,7 +209,7 @@ def _balanced_points(
             f"its forward runs, and {type(model).__name__} runs {len(order)}; use fewer processes"
         )
     weights = _segment_weights(model, traced, order)
-    best = _min_max_partition(weights, num_stages)
+    best = min_max_partition(weights, num_stages)
     return [order[start] for start in best]
 
 
@@ -235,31 +239,6 @@ def _segment_weights(model: nn.Module, traced: fx.GraphModule, order: Sequence[s
 def _attribute(model: nn.Module, target: str) -> object:
     owner, _, name = target.rpartition(".")
     return getattr(model.get_submodule(owner) if owner else model, name, None)
-
-
-def _min_max_partition(weights: Sequence[int], parts: int) -> list[int]:
-    """Indices (after the first) where ``parts`` contiguous groups of ``weights`` begin,
-    minimizing the largest group's sum."""
-    n = len(weights)
-    prefix = [0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
-    inf = float("inf")
-    # cost[k][i]: the best largest sum splitting the first i weights into k groups
-    cost = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    cost[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(cost[k - 1][j], prefix[i] - prefix[j])
-                if value < cost[k][i]:
-                    cost[k][i], cut[k][i] = value, j
-    starts, i = [], n
-    for k in range(parts, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return sorted(starts)[1:]
 
 
 def _cut(model: nn.Module, traced: fx.GraphModule, points: Sequence[str]) -> list[nn.Module]:

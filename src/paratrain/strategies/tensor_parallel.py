@@ -81,6 +81,20 @@ def parallelize(model: GPT, mesh: DeviceMesh) -> None:
         said.addFilter(_gathers_in_turn)
 
 
+def one_process_part(model: GPT, tp: int) -> GPT:
+    """``model`` cut to what one process of a group of ``tp`` holds and computes, as plain
+    layers (``paratrain plan`` traces it): each block's qkv, proj and MLP layers 1/tp as wide
+    on the side ``parallelize`` splits, its heads 1/tp, the rest whole."""
+    for block in _blocks(model):
+        width, hidden = block.qkv.in_features, cast(nn.Linear, block.mlp[0]).out_features
+        block.qkv = nn.Linear(width, _PARTS * width // tp)
+        block.proj = nn.Linear(width // tp, width)
+        block.mlp[0] = nn.Linear(width, hidden // tp)
+        block.mlp[2] = nn.Linear(hidden // tp, width)
+        block.heads //= tp
+    return model
+
+
 def _gathers_in_turn(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not ("sequential all_gather" in message and "to (Replicate(), Replicate())" in message)
@@ -130,14 +144,22 @@ def _rows() -> Placement:
 
 def _fused_forward(module: nn.Linear, mesh: DeviceMesh, x: Tensor) -> Tensor:
     """This process's heads of ``module``'s output, ``[q_r | k_r | v_r]``."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     # every process of the group holds the same x; each one's gradient for it covers its
     # heads only, so the backward sums them over the group
-    local_x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
-        grad_placements=[Partial()]
-    )
+    local_x = _summed_back(x, mesh)
     bias = None
-    if module.bias is not None:  # a slice of the whole bias; its gradient is gathered back
-        bias = cast("DTensor", module.bias).redistribute(mesh, [_rows()]).to_local()
+    if module.bias is not None:  # this process's slice of the whole bias, cut by hand
+        # (a redistribute to the weight's _StridedShard fails on some torch versions); the
+        # slice's gradient is zero elsewhere, and summed over the group is the whole one
+        whole = _summed_back(cast("DTensor", module.bias).to_local(), mesh)
+        bias = whole.view(_PARTS, mesh.size(), -1)[:, mesh.get_local_rank()].reshape(-1)
     return F.linear(local_x, cast("DTensor", module.weight).to_local(), bias)
+
+
+def _summed_back(tensor: Tensor, mesh: DeviceMesh) -> Tensor:
+    """``tensor``, held whole by every process of ``mesh``, whose gradient is summed over
+    the processes in the backward (an all-reduce)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    whole = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+    return whole.to_local(grad_placements=[Partial()])

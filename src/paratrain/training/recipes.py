@@ -8,6 +8,7 @@ from torch.utils.data import TensorDataset
 
 from paratrain.training.hugging_face_recipe import hugging_face_recipe, is_hugging_face
 from paratrain.training.recipe import Datasets, Params, Recipe, RecipeSettings
+from paratrain.training.timm_recipe import is_timm, timm_recipe
 from paratrain.utils.errors import UserError
 
 _RECIPES: dict[str, Recipe] = {}
@@ -25,10 +26,12 @@ def recipe_names() -> list[str]:
 def get_recipe(name: str) -> Recipe:
     if is_hugging_face(name):
         return hugging_face_recipe(name)
+    if is_timm(name):
+        return timm_recipe(name)
     try:
         return _RECIPES[name]
     except KeyError:
-        valid = ", ".join([*_RECIPES, "hf:CONFIG"])
+        valid = ", ".join([*_RECIPES, "hf:CONFIG", "timm:NAME"])
         raise UserError(f"unknown recipe {name!r}; valid recipes: {valid}") from None
 
 

@@ -4,15 +4,17 @@ shards holding the places asked for opened."""
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from paratrain.data.shards import INDEX, ShardStream, is_shard_folder, write_shards
+from paratrain.data.shards import INDEX, ShardStream, _npy, is_shard_folder, write_shards
 from paratrain.utils.errors import UserError
 
 pytest.importorskip("webdataset")
@@ -97,3 +99,24 @@ def test_shards_of_no_samples_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"^samples per shard must be at least 1, got 0$"):
         write_shards(tmp_path, {"train": TensorDataset(torch.zeros(3))}, 0)
     assert not is_shard_folder(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),
+        np.array(7, dtype=np.int64),
+        np.array([True, False]),
+        np.zeros((0, 3), dtype=np.float16),
+    ],
+    ids=["float32", "fortran", "0-d", "bool", "empty"],
+)
+def test_a_npy_member_decodes_as_numpy_loads_it_twice_in_a_row(array: np.ndarray) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    for _ in range(2):  # the second time from the parsed header
+        decoded = _npy("0.npy", buffer.getvalue())
+        assert decoded.dtype == array.dtype and decoded.shape == array.shape
+        assert decoded.tolist() == array.tolist()
+        assert decoded.flags.writeable

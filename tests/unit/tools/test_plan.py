@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.cli.commands.plan import parse_size, recipe_builder
+from paratrain.cli.commands.plan import parse_size, recipe_builder, tensor_parallel_tracer
 from paratrain.cli.main import main
 from paratrain.models import GPT
 from paratrain.tools.plan import plan_memory, trace_step
@@ -163,7 +163,7 @@ def test_a_pipeline_in_two_copies_is_two_pipelines_of_half_the_stages_on_half_th
     """--strategy cpu tracing, 4 devices: the ``pipeline 2x2`` row (pipeline --replicate 2)
     holds, on each copy, what a 2-stage pipeline holds at half the batch (a model of 2 blocks,
     which one pipeline of 4 stages cannot cut); `paratrain plan --devices 4` lists it beside
-    ``hsdp 2x2``, and not on 3 devices."""
+    ``hsdp 2x2`` and ``fsdp x tp 2x2``, and not on 3 devices."""
     build, _ = _builders()["tiny-gpt width 64"]
 
     def cut(stages: int) -> Any:
@@ -179,7 +179,7 @@ def test_a_pipeline_in_two_copies_is_two_pipelines_of_half_the_stages_on_half_th
     args = ["plan", "--recipe", "tiny-gpt", "--batch-size", "8", "--accelerator", "cpu"]
     assert main([*args, "--devices", "4", "--json"]) == 0
     named = [p["layout"] for p in json.loads(capsys.readouterr().out)["layouts"]]
-    assert named[-2:] == ["hsdp 2x2", "pipeline 2x2"]
+    assert named[-3:] == ["fsdp x tp 2x2", "hsdp 2x2", "pipeline 2x2"]
     three = layouts(3, "cpu", pipeline_copies=True)
     assert not any(layout.name.startswith("pipeline 2x") for layout in three)
 
@@ -225,7 +225,7 @@ def test_plan_command_json_and_bad_size(capsys: pytest.CaptureFixture[str]) -> N
 
 def _measure_fsdp(rt: paratrain.Runtime, batch: int) -> list[int]:
     """In each fsdp process: the peak FSDPMemTracker sees over two real steps of tiny-gpt
-    (width 64)."""
+    (width 64), on this process's part of the batch (a tp group's processes share one)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     peaks = []
@@ -233,7 +233,7 @@ def _measure_fsdp(rt: paratrain.Runtime, batch: int) -> list[int]:
         model, loss_fn, make_optimizer, sample = build()
         optimizer = make_optimizer(model.parameters())
         model, optimizer = rt.setup(model, optimizer)
-        x, y = sample(batch // rt.world_size)
+        x, y = sample(batch // rt.strategy.data_shards)
         tracker = FSDPMemTracker(model, optimizer)
         with tracker:
             for _ in range(2):
@@ -256,6 +256,42 @@ def test_fsdp_prediction_within_15_percent_of_two_real_processes() -> None:
         plan = plan_memory(lambda b, f=build: trace_step(f, b), "m", 16, "32", 2, "cpu", 1, "-")
         predicted = {p.layout: p.peak for p in plan.layouts}["fsdp"]
         assert abs(predicted / peak - 1) <= 0.15, (predicted, peak)
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_prediction_within_15_percent_of_four_real_processes() -> None:
+    """--strategy fsdp --tp 2 on 4 cpu processes (a 2 x 2 mesh): the predicted per-process
+    peak of tiny-gpt's ``fsdp x tp 2x2`` row, traced from what one process of a pair holds,
+    is within 15% of what FSDP2's memory tracker measures; the row is the built-in GPT's
+    only, and one whose heads do not split in two is refused, saying why."""
+    rt = paratrain.Runtime("fsdp", devices="cpu,cpu,cpu,cpu", tp=2)
+    measured = rt.launch(_measure_fsdp, 16)
+    assert measured is not None
+    build = _gpt(64)
+    tracer = tensor_parallel_tracer(build, 4, "32", None)[0]
+    assert tracer is not None
+    plan = plan_memory(
+        lambda b: trace_step(build, b), "m", 16, "32", 4, "cpu", 1, "-", None, tracer
+    )
+    by = {p.layout: p.peak for p in plan.layouts}
+    print(f"\nfsdp x tp 2x2: predicted {by['fsdp x tp 2x2']}, measured {measured[0]} bytes")
+    assert abs(by["fsdp x tp 2x2"] / measured[0] - 1) <= 0.15, (by, measured)
+    assert tensor_parallel_tracer(recipe_builder("digits")[0], 4, "32", None) == (None, "")
+    odd_heads = tensor_parallel_tracer(_gpt_with_heads(3), 4, "32", None)
+    assert (
+        odd_heads[0] is None
+        and "--tp 2 does not divide the GPT's 3 attention heads" in odd_heads[1]
+    )
+
+
+def _gpt_with_heads(heads: int) -> Any:
+    build = _gpt(48)
+
+    def with_heads() -> Any:
+        _, *rest = build()
+        return (GPT(width=48, depth=2, heads=heads), *rest)
+
+    return with_heads
 
 
 _OUTPUT_SCRIPT = """

@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from paratrain.cli.commands.bench_source import add_source_arguments, source_from_args
 from paratrain.utils.errors import UserError
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from paratrain.devices.precision import normalize_precision
     from paratrain.tools.plan import plan_memory, trace_step
     from paratrain.tools.plan.chart import MISSING_MATPLOTLIB, write_plan_chart
+    from paratrain.tools.plan.layouts import has_pairs, tp_row
     from paratrain.tools.plan.report import gib, print_plan
 
     source = source_from_args(args)
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         def traced(stages: int, wrap: Any = wrap) -> Callable[[int], Any]:
             return lambda b: trace_step(build, b, precision=precision, wrap=wrap, stages=stages)
 
-        in_copies = devices >= 4 and devices % 2 == 0  # pipeline --replicate 2
+        in_copies = has_pairs(devices)  # pipeline --replicate 2
+        tp_trace, tp_refused = tensor_parallel_tracer(build, devices, precision, wrap)
         plans[checkpointed] = plan_memory(
             traced(devices),
             source.name,
@@ -95,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
             memory,
             where,
             copy_trace=traced(devices // 2) if in_copies else None,
+            tp_trace=tp_trace,
         )
+        if tp_refused:
+            plans[checkpointed].refused[tp_row(devices)] = tp_refused
     plan = plans[False]
     saved = {}
     if True in plans:
@@ -120,6 +125,36 @@ def run(args: argparse.Namespace) -> int:
     if args.chart and not write_plan_chart(plan, Path(args.chart)):
         print(MISSING_MATPLOTLIB)
     return 0
+
+
+def tensor_parallel_tracer(
+    build: Any, devices: int, precision: str, wrap: Any
+) -> tuple[Callable[[int], Any] | None, str]:
+    """fsdp x tp's tracer (a step of what one process of a pair holds) where its row is
+    planned: the built-in GPT, whose widths split (else why not), on pairs of devices."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from paratrain.models.gpt import GPT
+    from paratrain.strategies.tensor_parallel import check_tp_model, one_process_part
+    from paratrain.tools.plan import trace_step
+    from paratrain.tools.plan.layouts import has_pairs
+
+    if not has_pairs(devices):
+        return None, ""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build()[0]
+    if not isinstance(model, GPT):  # --tp has no plan for it: no row
+        return None, ""
+    try:
+        check_tp_model(model, 2, devices // 2)
+    except UserError as refused:
+        return None, str(refused)
+
+    def cut(model: nn.Module) -> nn.Module:
+        part = one_process_part(cast(GPT, model), 2)
+        return wrap(part) if wrap is not None else part
+
+    return lambda b: trace_step(build, b, precision=precision, wrap=cut), ""
 
 
 def task_builder(source: Any) -> tuple[Any, int]:

@@ -36,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
         "its folder, or a model type such as gpt2), on a seeded token language; "
         "needs paratrain[hf]"
     )
+    print(
+        "timm:NAME: a timm image model by name (timm:vit_tiny_patch16_224, timm:resnet18), "
+        "without pretrained weights, on the shipped digits at 32x32; needs paratrain[timm]"
+    )
     return 0
 
 

@@ -44,7 +44,8 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--recipe",
         default=DEFAULT_RECIPE,
         help=f"one of: {', '.join(RECIPES)}, or hf:CONFIG (a Hugging Face config.json, its "
-        "folder, or a model type such as gpt2)",
+        "folder, or a model type such as gpt2), or timm:NAME (a timm image model such as "
+        "vit_tiny_patch16_224 or resnet18)",
     )
     p.add_argument("--strategy", default="auto", help=_strategy_help())
     p.add_argument("--devices", help="a count (2) or a list (0,1 / cuda:0,cuda:1 / cpu,cpu)")

@@ -14,6 +14,9 @@ changes:
   parameters (and gradients) of the two largest blocks at a time and what no block holds;
 * ``hsdp`` RxS (``fsdp --replicate R``, from 4 devices, R = 2): as ``fsdp`` over the S = N/R
   processes of one copy, each process still a 1/N part of the batch;
+* ``fsdp x tp`` Sx2 (``fsdp --tp 2``, from 4 devices, the built-in GPT only): as ``fsdp``
+  over the S = N/2 groups, from a step of what one process of a pair holds (its blocks' split
+  layers half as wide) on a 1/S part of the batch (both processes of a pair see the same);
 * ``pipeline`` xN: each stage the parameters, all the gradients and the optimizer state of
   its layers (where the pipeline cuts the model; 1/N where the trace was not asked to cut),
   and its own layers' share of the activations (as their outputs are; 1/N where not cut) of
@@ -43,11 +46,17 @@ class Layout:
     staged: bool = False
     #: copies of the layout (``--replicate``): sharded over processes // replicate
     replicate: int = 1
+    #: processes that split each layer (``--tp``): sharded over processes // tp, from a
+    #: step of what one of them holds
+    tp: int = 1
 
 
-def layouts(devices: int, accelerator: str, pipeline_copies: bool = False) -> list[Layout]:
+def layouts(
+    devices: int, accelerator: str, pipeline_copies: bool = False, tensor_parallel: bool = False
+) -> list[Layout]:
     """The layouts worth planning on ``devices`` devices of type ``accelerator``;
-    ``pipeline_copies``: a pipeline in two copies as well (its own traces are given)."""
+    ``pipeline_copies``: a pipeline in two copies as well (its own traces are given);
+    ``tensor_parallel``: fsdp x tp in pairs as well (its own traces are given)."""
     single = Layout(accelerator, 1, lambda batch: batch)
     if devices < 2:
         return [single]
@@ -55,12 +64,24 @@ def layouts(devices: int, accelerator: str, pipeline_copies: bool = False) -> li
     names: tuple[str, ...] = ("dp", "dp-balanced") if accelerator == "cuda" else ()
     names += ("ddp", "fsdp", "pipeline")
     found = [single] + [Layout(name, devices, part, name == "pipeline") for name in names]
-    if devices >= 4 and devices % 2 == 0:  # two copies, each sharded over half the devices
+    if has_pairs(devices):  # two copies, each sharded over half the devices
+        if tensor_parallel:  # pairs splitting each layer, sharded over the pairs
+            found.append(Layout(tp_row(devices), devices, _part(devices // 2), tp=2))
         found.append(Layout(f"hsdp 2x{devices // 2}", devices, part, replicate=2))
         if pipeline_copies:
             copy = _part(2)
             found.append(Layout(f"pipeline 2x{devices // 2}", devices, copy, True, 2))
     return found
+
+
+def tp_row(devices: int) -> str:
+    """The name of fsdp x tp's row (``fsdp --tp 2``) on ``devices`` devices."""
+    return f"fsdp x tp {devices // 2}x2"
+
+
+def has_pairs(devices: int) -> bool:
+    """Whether ``devices`` make the two-dimensional rows (two copies, or pairs)."""
+    return devices >= 4 and devices % 2 == 0
 
 
 def _part(devices: int) -> Callable[[int], int]:
@@ -97,8 +118,8 @@ def per_device(layout: Layout, trace: StepTrace, whole: StepTrace) -> list[Break
         replica = peak.scaled(optimizer=0.0)
         first = peak.plus(other=whole.output_bytes) if layout.name == "dp" else peak
         return [first] + [replica] * (n - 1)
-    if layout.name == "fsdp" or layout.replicate > 1:
-        shard = n // layout.replicate  # processes one copy is sharded over
+    if layout.name == "fsdp" or layout.replicate > 1 or layout.tp > 1:
+        shard = n // (layout.replicate * layout.tp)  # processes a parameter is sharded over
         whole_model = trace.parameter_bytes
         gathered = min(2 * trace.largest_block_bytes + trace.unblocked_bytes, whole_model)
         gathered = max(0, gathered - whole_model // shard)  # beyond this process's own shard

@@ -118,16 +118,21 @@ def plan_memory(
     device_memory: int,
     memory_source: str,
     copy_trace: Any = None,
+    tp_trace: Any = None,
 ) -> MemoryPlan:
     """Plan every layout of ``devices`` devices; ``trace(b)`` traces a step of ``b`` samples
     (the model cut into ``devices`` stages); ``copy_trace(b)``, where given, the same with the
-    model cut into the stages of one of two pipeline copies (``devices // 2``)."""
+    model cut into the stages of one of two pipeline copies (``devices // 2``); ``tp_trace(b)``,
+    where given, a step of what one process of a tensor parallel pair holds."""
     traces = Traces(trace)
     copies = Traces(copy_trace) if copy_trace is not None else None
+    pairs = Traces(tp_trace) if tp_trace is not None else None
     shared = accelerator == "cpu"
     plan = MemoryPlan(model, batch, precision, device_memory, memory_source, shared)
-    chosen = layouts(devices, accelerator, pipeline_copies=copies is not None)
+    chosen = layouts(devices, accelerator, copies is not None, pairs is not None)
     for layout in chosen:  # the traces the requested batch needs, before any estimate
+        if layout.tp > 1:  # from its own traces (below)
+            continue
         traces.at(layout.per_device(batch))
     traces.at(batch)
     if len({t for t in (layout.per_device(batch) for layout in chosen)}) < 2:
@@ -137,7 +142,11 @@ def plan_memory(
         copies.at(part)
         copies.at(2 * part)  # two points for the straight line
     for layout in chosen:
-        source = copies if copies is not None and _in_copies(layout) else traces
+        if pairs is not None and layout.tp > 1:
+            pairs.at(layout.per_device(batch))
+            pairs.at(2 * layout.per_device(batch))  # two points for the straight line
+    for layout in chosen:
+        source = _source(layout, traces, copies, pairs)
         whole = source.at(_seen_by_one_pipeline(layout, batch))
         if layout.staged and whole.stage_refusal:
             plan.refused[layout.name] = whole.stage_refusal
@@ -150,13 +159,23 @@ def plan_memory(
     return plan
 
 
+def _source(layout: Layout, traces: Traces, copies: Traces | None, pairs: Traces | None) -> Traces:
+    """The traces ``layout`` is planned from."""
+    if copies is not None and _in_copies(layout):
+        return copies
+    if pairs is not None and layout.tp > 1:
+        return pairs
+    return traces
+
+
 def _in_copies(layout: Layout) -> bool:
     return layout.staged and layout.replicate > 1
 
 
 def _seen_by_one_pipeline(layout: Layout, batch: int) -> int:
-    """The batch one copy's pipeline sees: the whole batch, or its part (copies)."""
-    return layout.per_device(batch) if _in_copies(layout) else batch
+    """The batch one copy's pipeline sees: the whole batch, or its part (copies; and
+    tensor parallel's, which does not read it)."""
+    return layout.per_device(batch) if _in_copies(layout) or layout.tp > 1 else batch
 
 
 def _fits(devices: list[Breakdown], memory: int, shared: bool) -> bool:
