@@ -1,7 +1,9 @@
 """fsdp x tensor parallel (``--strategy fsdp --tp 2``) over 4 real gloo processes on the CPU:
 the built-in GPT split by heads and MLP width in pairs, sharded over the pairs, trains the
 model one process trains, and its checkpoint resumes on one process; over 2, one step's
-gradients are one process's. Refusals and the mesh's shape: tests/unit/distributed/test_mesh.py."""
+gradients are one process's. A Hugging Face Llama split by its own plan, over 2 and 4
+processes, likewise, its weights loading with ``from_pretrained``. Refusals and the mesh's
+shape: tests/unit/distributed/test_mesh.py and tests/unit/strategies/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -173,6 +175,7 @@ def _train_llama(
     }
 
 
+@pytest.mark.slow  # each process imports transformers: some 40 s
 def test_llama_tp_2_trains_one_process_model_and_loads_with_from_pretrained(
     tmp_path: Path,
 ) -> None:
