@@ -237,7 +237,10 @@ def _set_up(
     train_loader, test_loader = _loaders(rt, cfg, recipe.drop_last, train_set, test_set)
     batches_per_epoch = len(train_loader)
     parts = TrainingParts(model, optimizer, scheduler, rt.precision.scaler)
-    layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
+    strategy = rt.strategy
+    layout = ProcessLayout(
+        strategy.collective, strategy.devices, strategy.name, strategy.data_leaders
+    )
     resumed = cfg.resume_from is not None
     at = Position()
     if resumed:  # restores the random generators too: no random draw may come after this

@@ -76,6 +76,9 @@ class ProcessLayout:
     devices: Sequence[torch.device]
     #: the strategy's name, recorded in ``state.json``
     strategy: str
+    #: the ranks that stand for the data (one per part of the global batch: a tp group or a
+    #: pipeline's stages share one); None: every rank
+    data_leaders: Sequence[int] | None = None
 
 
 class CheckpointSettings(Protocol):
@@ -221,6 +224,7 @@ class Checkpointer:
             **self.info,
             "epoch_loss_sums": [g["loss_sum"] for g in gathered],
             "epoch_samples": [g["samples"] for g in gathered],
+            "epoch_data_leaders": list(self.layout.data_leaders or range(len(gathered))),
             "metrics_lines": self.metrics.lines if self.metrics is not None else 0,
             "last_metrics": self.last_metrics,
             "micro_batch_split": self.micro_batch_split(),
@@ -251,6 +255,20 @@ class Checkpointer:
     def background_seconds(self) -> float:
         """Seconds spent writing checkpoints in the background so far."""
         return self._writer.seconds if self._writer is not None else 0.0
+
+
+def epoch_running_loss(state: dict[str, Any], rank: int, world: int) -> tuple[float, int]:
+    """This process's share of the epoch's running loss sum and samples: its own under the
+    world size that saved them; under another, all of it on rank 0, summed over the ranks
+    that stood for the data (a tp group's processes, or a pipeline's stages, each counted
+    the same samples)."""
+    sums, samples = state.get("epoch_loss_sums", [0.0]), state.get("epoch_samples", [0])
+    if state["world_size"] == world:
+        return float(sums[rank]), int(samples[rank])
+    if rank != 0:
+        return 0.0, 0
+    leaders = state.get("epoch_data_leaders") or range(len(sums))
+    return float(sum(sums[r] for r in leaders)), int(sum(samples[r] for r in leaders))
 
 
 def load_checkpoint(
@@ -287,20 +305,18 @@ def load_checkpoint(
         else:  # not written: e.g. no GradScaler where the checkpoint was saved
             collective.note(f"paratrain: note: {checkpoint} holds no {name} state")
     rank, world = collective.rank, collective.world_size
-    sums, samples = state.get("epoch_loss_sums", [0.0]), state.get("epoch_samples", [0])
     if state["world_size"] == world:
         missing = restore_rng(read_torch(checkpoint / rng_file(rank)), layout.devices)
         if missing:
             names = ", ".join(missing)
             collective.note(f"paratrain: note: no generator state restored for {names}")
-        loss_sum, count = sums[rank], samples[rank]
     else:
         collective.note(
             f"paratrain: note: the checkpoint was saved by {state['world_size']} process(es), "
             f"this run has {world}: the data position carries over exactly, the per-process "
             "random generators do not (exact only if training draws no random numbers)"
         )
-        loss_sum, count = (sum(sums), sum(samples)) if rank == 0 else (0.0, 0)
+    loss_sum, count = epoch_running_loss(state, rank, world)
     return Position(
         epoch=state["epoch"],
         batch=state["batch"],
