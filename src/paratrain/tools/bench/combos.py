@@ -22,6 +22,9 @@ from paratrain.strategies.choices import CHOICES
 from paratrain.strategies.single import SingleDeviceStrategy
 from paratrain.utils.errors import UserError
 
+#: the name of a layout in copies (``--replicate``) where it has one of its own
+IN_COPIES = {"fsdp": "hsdp"}
+
 
 @dataclass(frozen=True)
 class Combo:
@@ -53,7 +56,7 @@ class Combo:
         n = max(n, self.processes)  # a row skipped for every setting lists no devices
         if self.tp > 1:
             return f"{self.strategy} x tp {n // self.tp}x{self.tp}"
-        name = "hsdp" if self.strategy == "fsdp" else self.strategy
+        name = IN_COPIES.get(self.strategy, self.strategy)
         return f"{name} {self.replicate}x{n // self.replicate}"
 
     @property
