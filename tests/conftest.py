@@ -150,15 +150,16 @@ def digits_on_one_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tor
 
 
 def assert_stopped_and_resumed_run_is_bit_identical(
-    paratrain_cli: CLI, tmp_path: Path, strategy: str
+    paratrain_cli: CLI, paratrain_here: CLI, tmp_path: Path, strategy: str
 ) -> None:
     """digits on ``cpu,cpu`` under ``strategy``: a run stopped by a signal at a random step
     (SIGTERM to the launcher, or SIGUSR1 to one rank only), then the same command again,
     equals one run to 12 steps bit for bit, and its checkpoint is plain (one process reads
-    it)."""
+    it). The stopped run is a command of its own (it gets the signal); the reference and the
+    resumed run are run here (their processes start from the session's fork server)."""
     common = ("train", "--recipe", "digits", "--strategy", strategy, "--devices", "cpu,cpu")
     common += ("--no-progress", "--accumulate", "2", "--save-every", "3", "--max-steps", "12")
-    assert paratrain_cli(*common, "--out", "ref").returncode == 0
+    assert paratrain_here(*common, "--out", "ref").returncode == 0
     step, rank = random.randint(1, 11), random.randint(0, 1)
     kind = random.choice(["launcher-sigterm", "sigusr1"])
     fault = {"PARATRAIN_TEST_FAULT": f"{kind}:{rank}:{step}"}
@@ -175,7 +176,7 @@ def assert_stopped_and_resumed_run_is_bit_identical(
     line = f"paratrain: stopped by {name} after step {step}: checkpoint run/checkpoints/step-"
     assert stopped.stderr.startswith(line) and stopped.stderr.count("\n") == 1, stopped.stderr
     print(f"\n{strategy} x2, {fault}: {stopped.stderr.strip()}")
-    resumed = paratrain_cli(*common, "--out", "run")  # the same command again
+    resumed = paratrain_here(*common, "--out", "run")  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "continuing from run/checkpoints/step-" in resumed.stderr
     ref = load_file(str(tmp_path / "ref" / "model.safetensors"))

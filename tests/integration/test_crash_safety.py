@@ -1,5 +1,9 @@
 """Real `paratrain train` processes killed with SIGKILL, during training and during a save,
-then resumed: the final weights are bit-identical to a run that was never interrupted."""
+then resumed: the final weights are bit-identical to a run that was never interrupted.
+
+The killed run is a command of its own; the reference and the resumed runs are run in this
+process (their ranks start from the session's fork server), with the thread count given so
+that the two agree whatever this process's own settings."""
 
 from __future__ import annotations
 
@@ -15,28 +19,32 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import subprocess_env
-from helpers.cli import run_paratrain, start_paratrain
+from helpers.cli import start_paratrain
 from paratrain_test_faults import STALL_VARIABLE
 from safetensors.torch import load_file
 
 from paratrain.checkpoints.files import load_weights
 from paratrain.checkpoints.state import list_checkpoints, read_state
+from paratrain.cli.main import main
 from paratrain.models import DigitsCNN
 
 pytestmark = pytest.mark.slow  # real processes, or several layers at work
 
 
-# 23 batches (steps) per epoch, a checkpoint every 4 steps
+# 23 batches (steps) per epoch, a checkpoint every 4 steps, one thread per process
 SETTINGS = ("--epochs", "1", "--batch-size", "64", "--save-every", "4", "--seed", "1")
+SETTINGS += ("--threads", "1")
 CPU = ("--strategy", "cpu")
 DDP = ("--strategy", "ddp", "--devices", "cpu,cpu")
 TIMEOUT = 240.0
 
 
-def _run(*argv: str) -> str:
-    result = run_paratrain("train", "--no-progress", *argv, timeout=TIMEOUT)
-    assert result.returncode == 0, result.stderr
-    return result.stderr
+def _run(capfd: pytest.CaptureFixture[str] | None, *argv: str) -> str:
+    """``paratrain train ARGV`` in this process; what it said on stderr (with ``capfd``)."""
+    if capfd is not None:
+        capfd.readouterr()
+    assert main(["train", "--no-progress", *argv]) == 0
+    return capfd.readouterr().err if capfd is not None else ""
 
 
 def _kill_when(run: Path, ready: Callable[[], bool], *argv: str, stall: str = "") -> None:
@@ -91,14 +99,14 @@ def _stalled_save(run: Path) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "run"
-    _run("--out", str(out), *SETTINGS, *CPU)
+    _run(None, "--out", str(out), *SETTINGS, *CPU)
     return out
 
 
 def test_killed_during_training_resumes_bit_identical(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     _kill_when(run, lambda: bool(list_checkpoints(run)), *SETTINGS, *CPU)
-    _run("--resume", str(run))
+    _run(None, "--resume", str(run))
     assert _same_weights(reference, run)
     assert (run / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
 
@@ -114,16 +122,18 @@ def test_killed_during_a_save_keeps_the_previous_checkpoint(
     assert previous.name == "step-000004" and read_state(previous)["step"] == 4
     assert load_weights(DigitsCNN(), previous).ok
     torch.load(previous / "optimizer.pt", weights_only=True)
-    _run("--resume", str(run))
+    _run(None, "--resume", str(run))
     config = json.loads((run / "config.json").read_text())
     assert config["config"]["resume_from"].endswith("step-000004")
     assert not leftovers[0].exists()  # cleaned by the next save
     assert _same_weights(reference, run)
 
 
-def test_ddp_killed_during_training_resumes_bit_identical(tmp_path: Path) -> None:
+def test_ddp_killed_during_training_resumes_bit_identical(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     reference = tmp_path / "reference"
-    _run("--out", str(reference), *SETTINGS, *DDP)
+    _run(None, "--out", str(reference), *SETTINGS, *DDP)
     run = tmp_path / "run"
     _kill_when(run, lambda: bool(list_checkpoints(run)), *SETTINGS, *DDP)
     checkpoint = list_checkpoints(run)[-1]  # a busy machine may write one more before the kill
@@ -131,11 +141,11 @@ def test_ddp_killed_during_training_resumes_bit_identical(tmp_path: Path) -> Non
     assert {p.name for p in checkpoint.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
     one = tmp_path / "one-process"
     shutil.copytree(run, one)
-    _run("--resume", str(run))
+    _run(None, "--resume", str(run))
     assert _same_weights(reference, run)
     assert (run / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
     # Another world size: the data position maps exactly; only float sums differ.
-    note = _run("--resume", str(one), "--strategy", "cpu")
+    note = _run(capfd, "--resume", str(one), "--strategy", "cpu")
     assert "saved by 2 process(es), this run has 1" in note
     x, y = (
         load_file(str(reference / "model.safetensors")),

@@ -218,9 +218,11 @@ def test_each_process_trains_its_stage_and_checkpoints_are_full(tmp_path: Path) 
 
 
 def test_pipeline_run_stopped_and_resumed_is_bit_identical(
-    paratrain_cli: CLI, tmp_path: Path
+    paratrain_cli: CLI, paratrain_here: CLI, tmp_path: Path
 ) -> None:
-    assert_stopped_and_resumed_run_is_bit_identical(paratrain_cli, tmp_path, "pipeline")
+    assert_stopped_and_resumed_run_is_bit_identical(
+        paratrain_cli, paratrain_here, tmp_path, "pipeline"
+    )
 
 
 def test_bench_measures_pipeline_and_says_why_not_fp16() -> None:

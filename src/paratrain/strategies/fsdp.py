@@ -12,8 +12,9 @@ gradients are reduce-scattered within a row, then all-reduced across rows, avera
 all N processes as before. Data stays split over all N processes.
 
 Tensor parallel (``tp=T``): the processes form an (N/T) x T mesh ``("shard", "tp")``; each
-row of T consecutive ranks splits the built-in GPT's layers (:mod:`.tensor_parallel`) and sees
-the same batches, and fsdp shards what each holds over the N/T rows, which split the data.
+row of T consecutive ranks splits the layers (:mod:`.tensor_parallel`: the built-in GPT and
+Hugging Face decoders with a plan) and sees the same batches, and fsdp shards what each holds
+over the N/T rows, which split the data.
 
 Mixed precision: under ``bf16``/``fp16`` the parameters are gathered in that dtype
 (``MixedPrecisionPolicy``) and gradients reduced in float32; the sharded parameters and the
@@ -26,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from paratrain.distributed.dtensors import shard_like
 from paratrain.distributed.mesh import SHARD, TP, device_mesh, mesh_names, mesh_shape, place
-from paratrain.models.gpt import GPT
 from paratrain.models.meta_init import MetaInit, is_meta, release
 from paratrain.strategies.base import StrategyOptions
 from paratrain.strategies.blocks import choose_blocks, has_parameters
@@ -121,7 +121,7 @@ class FSDPStrategy(DDPStrategy):
         if tp > 1:  # the layers split first, then fsdp shards each process's part
             _materialized(init, model)
             init = None
-            parallelize(cast(GPT, model), mesh[TP])
+            parallelize(model, mesh[TP])
             shard.update(mesh=mesh[SHARD], shard_placement_fn=shard_placement)
         for block in choose_blocks(model, self.options.fsdp_blocks):
             # a meta model: one whole block at a time, freed once its shard is kept

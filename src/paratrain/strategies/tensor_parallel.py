@@ -1,6 +1,7 @@
-"""Tensor parallelism (``--tp N``) for paratrain's built-in GPT (:mod:`paratrain.models.gpt`):
-each block's layers split across the N processes of a ``tp`` group, with torch's
-``parallelize_module``, before fsdp shards what each process holds (torchtitan's order).
+"""Tensor parallelism (``--tp N``) for paratrain's built-in GPT (:mod:`paratrain.models.gpt`)
+and for Hugging Face decoders with a plan of their own (:mod:`.decoder_tp`): each block's
+layers split across the N processes of a ``tp`` group, with torch's ``parallelize_module``,
+before fsdp shards what each process holds (torchtitan's order).
 
 The plan, per block: the fused ``qkv`` column-wise by heads (each process computes its
 heads/N heads' queries, keys and values; the block reads its local head count), ``proj``
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from paratrain.models.gpt import GPT, TransformerBlock
+from paratrain.strategies import decoder_tp
 from paratrain.utils.errors import UserError
 
 if TYPE_CHECKING:  # torch.distributed.tensor loads torch._dynamo: imported when used
@@ -36,11 +38,16 @@ _PARTS = 3
 
 def check_tp_model(model: nn.Module, tp: int, shards: int) -> None:
     """``UserError`` unless ``model`` is the built-in GPT and its widths split into ``tp``
-    groups (heads) and ``shards`` fsdp shards (qkv's input width)."""
+    groups (heads) and ``shards`` fsdp shards (qkv's input width), or a Hugging Face decoder
+    whose plan applies (:func:`.decoder_tp.check`)."""
+    if decoder_tp.is_decoder(model):
+        decoder_tp.check(model, tp, shards)
+        return
     if not isinstance(model, GPT):
         raise UserError(
             f"--tp has a plan for paratrain's built-in GPT (paratrain.models.gpt.GPT, "
-            f"--recipe tiny-gpt) only, not {type(model).__name__}; drop --tp"
+            f"--recipe tiny-gpt) and Hugging Face decoders (Llama, Mistral, Qwen2) only, not "
+            f"{type(model).__name__}; drop --tp"
         )
     for block in _blocks(model):
         heads, width = block.heads, block.qkv.in_features
@@ -56,8 +63,21 @@ def check_tp_model(model: nn.Module, tp: int, shards: int) -> None:
             )
 
 
-def parallelize(model: GPT, mesh: DeviceMesh) -> None:
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split ``model``'s blocks across the processes of ``mesh`` (one dimension, ``tp``)."""
+    if isinstance(model, GPT):
+        _parallelize_gpt(model, mesh)
+    else:
+        decoder_tp.parallelize(model, mesh)
+    # a checkpoint's full tensors gather fsdp's and tp's shards one dimension after the
+    # other; torch warns of the second collective (a reduction order would matter, a
+    # gather's does not)
+    said = logging.getLogger("torch.distributed.tensor._redistribute")
+    if _gathers_in_turn not in said.filters:
+        said.addFilter(_gathers_in_turn)
+
+
+def _parallelize_gpt(model: GPT, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -73,12 +93,6 @@ def parallelize(model: GPT, mesh: DeviceMesh) -> None:
         plan[prefix + "mlp.2"] = RowwiseParallel()
         block.heads //= mesh.size()  # the heads this process computes
     parallelize_module(model, mesh, plan)
-    # a checkpoint's full tensors gather fsdp's and tp's shards one dimension after the
-    # other; torch warns of the second collective (a reduction order would matter, a
-    # gather's does not)
-    said = logging.getLogger("torch.distributed.tensor._redistribute")
-    if _gathers_in_turn not in said.filters:
-        said.addFilter(_gathers_in_turn)
 
 
 def one_process_part(model: GPT, tp: int) -> GPT:

@@ -211,6 +211,26 @@ JUDGED: dict[str, list[tuple[int, str, bool, str]]] = {
     "improved_diffusion/scripts/image_nll.py": [],
     "improved_diffusion/scripts/image_sample.py": [],
     "improved_diffusion/scripts/image_train.py": [],
+    # a student project with no licence (kept outside the repository, only measured):
+    # set_epoch(config.epochs) in the epoch loop, the same value every epoch
+    "jbnu_nsmc/configs.py": [],
+    "jbnu_nsmc/dataload/semti_data.py": [],
+    "jbnu_nsmc/kobert_tokenizer/KoBERTTokenizer.py": [],
+    "jbnu_nsmc/main.py": [  # mp.spawn: one process per GPU
+        *[
+            (line, "unguarded-output", True, "each process logs its config")
+            for line in (48, 50, 51)
+        ],
+        (56, "fixed-port", True, "init_method='tcp://127.0.0.1:3456'"),
+        (72, "unguarded-output", True, PER_RANK + " ('loading train dataset')"),
+        (75, "loader-pin-memory", True, "batches go to the GPU with .to(device), not pinned"),
+        (80, "eval-distributed-sampler", True, "rank 0 alone scores its shuffled, padded shard"),
+        (81, "loader-pin-memory", True, "the test loader feeds the GPU, not pinned"),
+        (99, "set-epoch", True, "set_epoch(config.epochs) each epoch: one shuffle, repeated"),
+        (122, "sync-every-step", True, "model_outputs.loss.item() every step"),
+        (169, "metric-without-reduce", True, "accuracy over rank 0's shard, printed as the whole"),
+    ],
+    "jbnu_nsmc/utils.py": [],
     "kair/main_train_psnr.py": [  # its DistributedSampler shuffles as a config says: unsure
         (104, "unguarded-output", True, PER_RANK + " ('Random seed')"),
     ],
@@ -305,6 +325,7 @@ def test_the_miss_classes_are_found_where_they_occur() -> None:
         ("pe_ddp_multigpu_torchrun.py", "unguarded-output"),  # in the Trainer's methods
         ("fabric_image_classifier.py", "eval-padded-loader"),
         ("pe_mingpt_trainer.py", "clip-before-unscale"),
+        ("jbnu_nsmc/main.py", "set-epoch"),  # set_epoch(config.epochs) in the epoch loop
     } <= rules
 
 

@@ -188,6 +188,23 @@ JUDGED: dict[str, list[tuple[int, str, str, str]]] = {
         (716, "sync-every-step", "true", "torch.sum(util.flat_param(model)).item() each step"),
         (811, "unguarded-output", "true", PER_RANK + " ('zero tokens in last epoch')"),
     ],
+    "spike_contrastive/main.py": [
+        (327, "create-then-move", "true", "torch.arange(0, n).cuda() in the loss, every step"),
+        (
+            373,
+            "unguarded-output",
+            "debatable",
+            "main() trains one process, but with --ddp each separately started process says so",
+        ),
+    ],
+    "spike_contrastive/models/model_GPT.py": [
+        (603, "create-then-move", "true", "torch.zeros(...).to(device) in forward, every step"),
+    ],
+    "spike_contrastive/wsc_launcher.py": [
+        (162, "lan-address", "true", "--dist-url defaults to tcp://10.3.1.9:23456, one node"),
+        (228, "unguarded-output", "true", "print(args) in main_worker: mp.spawn runs it per GPU"),
+        (229, "unguarded-output", "true", PER_RANK + " ('main_worker')"),
+    ],
     "pytorch_gan/dcgan.py": [
         (122, "loader-pin-memory", "true", "MNIST loader feeding CUDA, not pinned"),
         (

@@ -168,3 +168,78 @@ def test_torch_save_is_not_the_files_own_save_method_with_a_barrier() -> None:
         TrainLoop().run()
     """
     assert _said(source) == ([(13, "collective-under-guard")], [])
+
+
+def test_set_epoch_of_a_value_the_epoch_loop_never_changes() -> None:
+    """A student project's BERT fine-tuning (jbnu_nsmc of the corpus): the loop runs over
+    ``epoch_id`` and hands the sampler ``config.epochs``, the same every epoch."""
+    source = """
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        def main_(gpu, config, train_dataset):
+            train_sampler = DistributedSampler(train_dataset, rank=gpu, shuffle=True)
+            loader = DataLoader(train_dataset, batch_size=32, sampler=train_sampler)
+            for epoch_id in range(config.epochs):
+                train_sampler.set_epoch(config.epochs)
+                for batch in loader:
+                    step(batch)
+
+        def train(loader, num_epochs):
+            for i in range(num_epochs):
+                loader.sampler.set_epoch(num_epochs)
+                for batch in loader:
+                    step(batch)
+    """
+    sure, _ = _said(source)
+    assert sure == [(8, "set-epoch"), (14, "set-epoch")]
+    # the epoch itself, a counter the loop advances, or one sampler per pass: silent
+    for fixed, varying in [
+        ("set_epoch(config.epochs)", "set_epoch(epoch_id)"),
+        ("set_epoch(num_epochs)", "set_epoch(i)"),
+    ]:
+        source = source.replace(fixed, varying)
+    assert _said(source) == ([], [])
+    counter = """
+        def train(loader, args):
+            while args.epoch < args.max_epoch:
+                loader.sampler.set_epoch(args.epoch)
+                args.epoch += 1
+        def run(loaders, epoch):
+            for loader in loaders:
+                loader.sampler.set_epoch(epoch)
+    """
+    assert _said(counter) == ([], [])
+
+
+def test_set_epoch_0_at_construction_then_the_epoch_each_epoch_is_left_alone() -> None:
+    """HKBU-HPML/MG-WFBP's trainer calls set_epoch(0) where it builds the sampler and
+    set_epoch(self.train_epoch) at each new epoch; Grover's test sampler does not shuffle."""
+    source = """
+        import torch
+        from torch.utils.data.distributed import DistributedSampler
+
+        class Trainer:
+            def data_prepare(self, trainset):
+                train_sampler = torch.utils.data.distributed.DistributedSampler(trainset)
+                train_sampler.set_epoch(0)
+                self.train_sampler = train_sampler
+
+            def train(self, num_of_iters):
+                for i in range(num_of_iters):
+                    if self.train_iter % self.num_batches_per_epoch == 0:
+                        self.train_epoch += 1
+                        self.train_sampler.set_epoch(self.train_epoch)
+
+        def pretrain(test_data):
+            test_sampler = DistributedSampler(test_data, shuffle=False)
+            test_sampler.set_epoch(1)
+    """
+
+    def set_epoch(text: str) -> list[tuple[int, str]]:
+        sure, unsure = _said(text)
+        return [found for found in sure + unsure if found[1] == "set-epoch"]
+
+    assert set_epoch(source) == []
+    # alone, set_epoch(0) before a loader is iterated step after step is a mistake
+    alone = source.replace("self.train_sampler.set_epoch(self.train_epoch)", "pass")
+    assert set_epoch(alone) == [(8, "set-epoch")]

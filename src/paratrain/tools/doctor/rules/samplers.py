@@ -18,6 +18,7 @@ from paratrain.tools.doctor.names import (
     dotted,
 )
 from paratrain.tools.doctor.rules.base import Hit, Rule
+from paratrain.tools.doctor.rules.epochs import fixed_epoch
 from paratrain.tools.doctor.script import (
     Script,
     has_kwargs_splat,
@@ -29,59 +30,8 @@ _EVAL_WORDS = {"val", "valid", "validation", "test", "testing", "eval", "evaluat
 _EVAL_FUNCTIONS = re.compile(r"^(eval|valid|test)", re.IGNORECASE)
 
 
-def _fixed_epoch(script: Script) -> Iterator[Hit]:
-    """``sampler.set_epoch(0)``, or ``set_epoch(x)`` of an ``x`` that never changes: every
-    epoch repeats the same shuffle all the same."""
-    for call in script.method_calls("set_epoch"):
-        if len(call.args) != 1 or call.keywords:
-            continue
-        arg, scope = call.args[0], script.scope(call)
-        if isinstance(arg, ast.Name):
-            params = getattr(scope, "args", None)
-            if params is not None and arg.id in {a.arg for a in [*params.args, *params.kwonlyargs]}:
-                continue  # a parameter: each call may pass another epoch
-            values = script.assigned.get(arg.id, [])
-            changes = any(
-                not isinstance(v, ast.Constant) or script.loops_around(s) for v, s in values
-            )
-            if not values or changes or _loop_target(script, arg.id) or _augmented(script, arg.id):
-                continue
-        elif not isinstance(arg, ast.Constant):
-            continue
-        yield Hit(
-            call,
-            f"set_epoch({ast.unparse(arg)}) is given the same value every epoch: the "
-            "sampler repeats the same shuffle",
-            "pass the epoch: for epoch in range(epochs): sampler.set_epoch(epoch)",
-        )
-
-
-def _loop_target(script: Script, name: str) -> bool:
-    if "loop_targets" not in script.memo:
-        loops: list[ast.For | ast.AsyncFor | ast.comprehension] = [
-            *script.nodes(ast.For),
-            *script.nodes(ast.AsyncFor),
-            *script.nodes(ast.comprehension),
-        ]
-        script.memo["loop_targets"] = {
-            n.id for loop in loops for n in ast.walk(loop.target) if isinstance(n, ast.Name)
-        }
-    targets: set[str] = script.memo["loop_targets"]
-    return name in targets
-
-
-def _augmented(script: Script, name: str) -> bool:
-    """``name += ...`` or ``global name`` anywhere: it may change between calls."""
-    if "augmented" not in script.memo:
-        script.memo["augmented"] = {
-            d for n in script.nodes(ast.AugAssign) if (d := dotted(n.target)) is not None
-        } | {name for n in script.nodes(ast.Global) for name in n.names}
-    changed: set[str] = script.memo["augmented"]
-    return name in changed
-
-
 def _set_epoch(script: Script) -> Iterator[Hit]:
-    yield from _fixed_epoch(script)
+    yield from fixed_epoch(script)
     # Any set_epoch call anywhere (through loader.sampler, a helper, a local module the
     # script imports...) counts as done.
     if any(any(True for _ in m.method_calls("set_epoch")) for m in script.modules):
