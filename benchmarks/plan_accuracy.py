@@ -115,7 +115,7 @@ def measure(rt: paratrain.Runtime, name: str, batch: int) -> list[int]:
     peak = max(d["Total"] for device, d in snapshot.items() if str(device) != "meta")
     peaks = torch.zeros(rt.world_size, dtype=torch.float64)
     peaks[rt.rank] = float(peak)
-    return [int(v) for v in rt.all_reduce(peaks, "sum").tolist()]
+    return [int(v) for v in rt.all_reduce(peaks, "sum", over="processes").tolist()]
 
 
 #: layouts measured here, and their devices: dp needs CUDA GPUs (DataParallel)

@@ -106,6 +106,37 @@ def test_cpu_and_ddp_are_measured_in_fresh_processes(
 
 
 @pytest.mark.slow
+def test_four_devices_measure_the_two_dimensional_layouts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--strategies fsdp,pipeline on cpu,cpu,cpu,cpu (digits): hsdp 2x2 and pipeline 2x2 run
+    in 4 real processes next to fsdp and pipeline over 4, with the plan's prediction per
+    process; fsdp x tp 2x2 is skipped, saying why (digits' model is not the GPT)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "bench"
+    argv = ["--recipe", "digits", "--strategies", "fsdp,pipeline", "--precisions", "32"]
+    argv += ["--devices", "cpu,cpu,cpu,cpu", "--batch-sizes", "16", "--steps", "2"]
+    argv += ["--warmup", "1", "--repeats", "1", "--instances", "1", "--no-plot"]
+    code, stdout, _ = bench(capsys, *argv, "--out", str(out))
+    assert code == 0, stdout
+    results = {r["label"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert list(results) == [
+        "fsdpx4 32 b16", "hsdp 2x2 32 b16", "fsdp x tp 2x2 32 b16", "pipelinex4 32 b16",
+        "pipeline 2x2 32 b16",
+    ]  # fmt: skip
+    tp = results.pop("fsdp x tp 2x2 32 b16")
+    assert tp["status"] == "skipped" and "--tp has a plan for paratrain's built-in GPT" in str(
+        tp["reason"]
+    )
+    for label, result in results.items():
+        assert result["status"] == "ok", (label, result["reason"])
+        assert result["runtime"]["world_size"] == 4 and len(result["predicted_peak_bytes"]) == 4
+    assert results["hsdp 2x2 32 b16"]["runtime"]["mesh"] == {"replicate": 2, "shard": 2}
+    assert results["pipeline 2x2 32 b16"]["runtime"]["mesh"] == {"replicate": 2, "stage": 2}
+    assert "hsdp 2x2 32 b16" in stdout and "--tp has a plan" in stdout
+
+
+@pytest.mark.slow
 def test_out_of_memory_is_a_result_and_the_rest_still_runs(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -81,6 +81,44 @@ def test_default_combos_are_every_available_strategy_at_native_precisions() -> N
     assert ddp.devices == "cpu,cpu" and ddp.processes == 2
 
 
+def test_four_devices_add_the_two_dimensional_layouts_of_fsdp_and_pipeline() -> None:
+    """--devices cpu,cpu,cpu,cpu: fsdp brings hsdp 2x2 (--replicate 2) and fsdp x tp 2x2
+    (--tp 2), pipeline brings pipeline 2x2 (--replicate 2), measured when named and left out
+    of the default set on CPU processes as fsdp and pipeline are; a layout that refuses the
+    model (--tp for a model other than the GPT) is skipped with its reason; 3 devices and
+    ddp make none."""
+    from paratrain.models import GPT
+    from paratrain.tools.bench.combos import refuse_models
+    from paratrain.tools.bench.pool import run_spec
+
+    four = "cpu,cpu,cpu,cpu"
+    named = enumerate_combos(["ddp", "fsdp", "pipeline"], ["32"], [8], four)
+    assert [c.label for c in named] == [
+        "ddpx4 32 b8", "fsdpx4 32 b8", "hsdp 2x2 32 b8", "fsdp x tp 2x2 32 b8",
+        "pipelinex4 32 b8", "pipeline 2x2 32 b8",
+    ]  # fmt: skip
+    assert all(c.skip_reason is None and c.processes == 4 for c in named)
+    shapes = {c.label.split(" 32")[0]: (c.replicate, c.tp) for c in named}
+    assert shapes["hsdp 2x2"] == (2, 1) and shapes["fsdp x tp 2x2"] == (1, 2)
+    assert shapes["pipeline 2x2"] == (2, 1) and shapes["fsdpx4"] == (1, 1)
+    settings = BenchSettings(TaskSource(recipe="digits"))
+    specs = {c.label: run_spec(settings, c) for c in named}
+    assert (specs["hsdp 2x2 32 b8"].replicate, specs["fsdp x tp 2x2 32 b8"].tp) == (2, 2)
+    default = {c.label: c.skip_reason for c in enumerate_combos(None, ["32"], [8], four)}
+    assert "cannot be faster than ddp" in str(default["hsdp 2x2"])
+    assert "cannot be faster than ddp" in str(default["fsdp x tp 2x2"])
+    assert "the bubble" in str(default["pipeline 2x2"])
+    three = enumerate_combos(["fsdp", "pipeline"], ["32"], [8], "cpu,cpu,cpu")
+    assert [(c.replicate, c.tp) for c in three] == [(1, 1), (1, 1)]
+    digits = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4, 10))
+    refused = {c.label: c.skip_reason for c in refuse_models(named, digits)}
+    assert "--tp has a plan for paratrain's built-in GPT" in str(refused["fsdp x tp 2x2 32 b8"])
+    assert refused["hsdp 2x2 32 b8"] is None and refused["ddpx4 32 b8"] is None
+    gpt = {c.label: c.skip_reason for c in refuse_models(named, GPT(width=32, depth=2))}
+    assert gpt["fsdp x tp 2x2 32 b8"] is None and gpt["pipeline 2x2 32 b8"] is None
+    assert "needs at least 4 layers" in str(gpt["pipelinex4 32 b8"])  # 2 blocks, 4 stages
+
+
 CPU, GPU0, GPU1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 
 

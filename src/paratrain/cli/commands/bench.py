@@ -200,42 +200,62 @@ def run(args: argparse.Namespace) -> int:
 
 def predict_memory(report: Any) -> None:
     """``paratrain plan``'s peak per device next to each measured combination: one traced
-    plan (on fake tensors) per precision, batch size, device count and checkpointing."""
-    from paratrain.cli.commands.plan import task_builder, with_checkpointing
-    from paratrain.tools.plan import plan_memory, trace_step
+    plan (on fake tensors) per precision, batch size, device count and checkpointing (and
+    one with the two-dimensional layouts' own traces, where one of them was measured)."""
+    from paratrain.cli.commands.plan import task_builder
 
     build, _ = task_builder(report.settings.source)
-    plans: dict[tuple[str, int, int, bool, str], Any] = {}
+    plans: dict[tuple[str, int, int, bool, str, bool], Any] = {}
     for result in report.results:
         combo = result.combo
         if result.status == "skipped" or not combo.device_names:
             continue
         accelerator = combo.device_names[0].split(":")[0]
         count = len(combo.device_names)
-        recompute = combo.activation_checkpointing
-        key = (combo.precision, combo.batch_size, count, recompute, accelerator)
+        mesh = combo.replicate * combo.tp > 1
+        key = (
+            combo.precision, combo.batch_size, count, combo.activation_checkpointing,
+            accelerator, mesh,
+        )  # fmt: skip
         if key not in plans:
-            wrap = with_checkpointing if recompute else None
             try:
-                plans[key] = plan_memory(
-                    lambda b, p=combo.precision, w=wrap, n=count: trace_step(
-                        build, b, precision=p, wrap=w, stages=n
-                    ),
-                    report.settings.source.name,
-                    combo.batch_size,
-                    combo.precision,
-                    count,
-                    accelerator,
-                    1 << 60,
-                    "-",
-                )
+                plans[key] = _plan(build, report.settings.source.name, *key)
             except Exception:  # a model the tracer cannot follow: the measurement still stands
                 plans[key] = None
         planned = plans[key]
-        name = combo.strategy if count > 1 else accelerator
+        name = combo.layout if mesh else combo.strategy if count > 1 else accelerator
         found = [p for p in planned.layouts if p.layout == name] if planned else []
         if found:
             result.predicted_peak_bytes = [d.total for d in found[0].devices]
+
+
+def _plan(
+    build: Any,
+    model: str,
+    precision: str,
+    batch: int,
+    count: int,
+    recompute: bool,
+    accelerator: str,
+    mesh: bool,
+) -> Any:
+    """`paratrain plan`'s plan of ``count`` devices; ``mesh``: with the traces of its
+    two-dimensional rows (a pipeline copy's stages, a tensor parallel pair's process)."""
+    from paratrain.cli.commands.plan import tensor_parallel_tracer, with_checkpointing
+    from paratrain.tools.plan import plan_memory, trace_step
+
+    wrap = with_checkpointing if recompute else None
+
+    def traced(stages: int) -> Any:
+        return lambda b: trace_step(build, b, precision=precision, wrap=wrap, stages=stages)
+
+    copies = tp = None
+    if mesh:
+        copies = traced(count // 2)
+        tp = tensor_parallel_tracer(build, count, precision, wrap)[0]
+    return plan_memory(
+        traced(count), model, batch, precision, count, accelerator, 1 << 60, "-", copies, tp
+    )
 
 
 # -- micro-benchmarks (seeds 002 and 003) -------------------------------------------------------

@@ -12,13 +12,18 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from paratrain.devices.machine import cuda_count, mps_available
 from paratrain.devices.precision import normalize_precision, precision_unavailable_reason
 from paratrain.strategies import AUTO, build_strategy, resolve_auto, strategy_class, strategy_names
-from paratrain.strategies.base import Strategy
+from paratrain.strategies.base import Strategy, StrategyOptions
+from paratrain.strategies.choices import CHOICES
 from paratrain.strategies.single import SingleDeviceStrategy
 from paratrain.utils.errors import UserError
+
+#: the name of a layout in copies (``--replicate``) where it has one of its own
+IN_COPIES = {"fsdp": "hsdp"}
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,29 @@ class Combo:
     activation_checkpointing: bool = False
     #: intra-op threads of each process where not the count paratrain chooses (bench --threads)
     threads: int | None = None
+    #: copies of the layout (``--replicate``) and processes splitting each layer (``--tp``):
+    #: the two-dimensional layouts
+    replicate: int = 1
+    tp: int = 1
+
+    @property
+    def layout(self) -> str:
+        """The layout: ``ddpx2``, and the two-dimensional ones as `paratrain plan` names
+        their rows (``hsdp 2x2``, ``fsdp x tp 2x2``, ``pipeline 2x2``)."""
+        n = len(self.device_names)
+        if self.replicate * self.tp == 1:
+            return self.strategy + (f"x{n}" if n > 1 else "")
+        n = max(n, self.processes)  # a row skipped for every setting lists no devices
+        if self.tp > 1:
+            return f"{self.strategy} x tp {n // self.tp}x{self.tp}"
+        name = IN_COPIES.get(self.strategy, self.strategy)
+        return f"{name} {self.replicate}x{n // self.replicate}"
 
     @property
     def label(self) -> str:
-        if self.precision == "-":
-            return self.strategy
-        layout = self.strategy
-        if len(self.device_names) > 1:
-            layout += f"x{len(self.device_names)}"
+        if self.precision == "-":  # a row for every setting: the layout alone
+            return self.strategy if self.replicate * self.tp == 1 else self.layout
+        layout = self.layout
         recompute = " ac" if self.activation_checkpointing else ""
         threads = f" t{self.threads}" if self.threads is not None else ""
         return f"{layout} {self.precision} b{self.batch_size}{recompute}{threads}"
@@ -132,14 +152,16 @@ def _positive_counts(flag: str, text: str | None) -> list[int] | None:
     return counts
 
 
-def _build(name: str, devices: str) -> tuple[Strategy | None, str | None, str | None]:
+def _build(
+    name: str, devices: str, options: StrategyOptions | None = None
+) -> tuple[Strategy | None, str | None, str | None]:
     """Build ``name`` for ``devices``: (strategy, the spec used, why it cannot run)."""
     cls = strategy_class(name)
     reason = cls.unavailable_reason()
     if reason is not None:
         return None, None, reason
     try:
-        return build_strategy(name, devices), devices, None
+        return build_strategy(name, devices, options), devices, None
     except UserError as exc:
         if not issubclass(cls, SingleDeviceStrategy):
             return None, None, str(exc)
@@ -173,32 +195,94 @@ def enumerate_combos(
             # One row per strategy that cannot run here: its reason holds for every setting.
             combos.append(Combo(name, "-", batch_sizes[0], spec, skip_reason=reason))
             continue
-        root = strategy.root_device
-        if not explicit:
-            reason = not_by_default(name, strategy.devices, strategy.num_processes, gpus, mps)
-        if reason is not None:
-            combos.append(Combo(name, "-", batch_sizes[0], used_spec, skip_reason=reason))
-            continue
-        device_names = tuple(str(d) for d in strategy.devices)
-        chosen = list(precisions) if precisions is not None else default_precisions(root.type)
-        for precision in chosen:
-            precision_reason = _precision_reason(precision, strategy)
-            for batch in batch_sizes:
-                why = precision_reason
-                if why is None and batch < len(device_names):
-                    why = f"batch size {batch} is smaller than the {len(device_names)} devices"
-                combos.append(
-                    Combo(
-                        name,
-                        precision,
-                        batch,
-                        used_spec,
-                        device_names,
-                        strategy.num_processes,
-                        why,
-                    )
-                )
+        flat = strategy
+        for replicate, tp in [(1, 1), *mesh_shapes(name, flat.num_processes)]:
+            base = Combo(name, "-", batch_sizes[0], used_spec, replicate=replicate, tp=tp)
+            base = replace(base, processes=flat.num_processes)
+            if (replicate, tp) != (1, 1):
+                options = StrategyOptions(replicate=replicate, tp=tp)
+                built, _, reason = _build(name, spec, options)
+                if built is None:  # a mesh these processes do not make
+                    combos.append(replace(base, skip_reason=reason))
+                    continue
+                strategy = built
+            combos += _settings(base, strategy, explicit, precisions, batch_sizes, gpus, mps)
     return combos
+
+
+def mesh_shapes(name: str, processes: int) -> list[tuple[int, int]]:
+    """The two-dimensional layouts of strategy ``name`` measured on ``processes`` processes
+    (4 or more, even), as (replicate, tp): two copies where it runs in copies (hsdp,
+    pipeline), pairs splitting each layer where it splits them (fsdp x tp)."""
+    choice = CHOICES.get(name)
+    if choice is None or processes < 4 or processes % 2:
+        return []
+    shapes = [(2, 1)] if choice.replicates else []
+    return shapes + ([(1, 2)] if choice.splits_layers else [])
+
+
+def _settings(
+    base: Combo,
+    strategy: Strategy,
+    explicit: bool,
+    precisions: Sequence[str] | None,
+    batch_sizes: Sequence[int],
+    gpus: int,
+    mps: bool,
+) -> list[Combo]:
+    """``base``'s layout at every precision and batch size (one skipped row where the
+    default set leaves the layout out)."""
+    reason = None
+    if not explicit:
+        reason = not_by_default(base.strategy, strategy.devices, strategy.num_processes, gpus, mps)
+    if reason is not None:
+        return [replace(base, skip_reason=reason)]
+    device_names = tuple(str(d) for d in strategy.devices)
+    root = strategy.root_device
+    chosen = list(precisions) if precisions is not None else default_precisions(root.type)
+    found = []
+    for precision in chosen:
+        precision_reason = _precision_reason(precision, strategy)
+        for batch in batch_sizes:
+            why = precision_reason
+            if why is None and batch < len(device_names):
+                why = f"batch size {batch} is smaller than the {len(device_names)} devices"
+            found.append(
+                replace(
+                    base,
+                    precision=precision,
+                    batch_size=batch,
+                    device_names=device_names,
+                    processes=strategy.num_processes,
+                    skip_reason=why,
+                )
+            )
+    return found
+
+
+def refuse_models(combos: Sequence[Combo], model: nn.Module) -> list[Combo]:
+    """Each combination whose layout refuses ``model`` (a GPT's plan for ``--tp``, a
+    pipeline's cut, ...) skipped with the layout's own reason, before any worker starts."""
+    result: list[Combo] = []
+    refusals: dict[tuple[str, str | None, int, int], str | None] = {}
+    for combo in combos:
+        if combo.skip_reason is None and strategy_class(combo.strategy).checks_model:
+            key = (combo.strategy, combo.devices, combo.replicate, combo.tp)
+            if key not in refusals:
+                refusals[key] = _refusal(combo, model)
+            if refusals[key] is not None:
+                combo = replace(combo, skip_reason=refusals[key])
+        result.append(combo)
+    return result
+
+
+def _refusal(combo: Combo, model: nn.Module) -> str | None:
+    options = StrategyOptions(replicate=combo.replicate, tp=combo.tp)
+    try:
+        build_strategy(combo.strategy, combo.devices, options).check_model(model)
+    except UserError as refused:
+        return str(refused)
+    return None
 
 
 def with_activation_checkpointing(combos: Sequence[Combo]) -> list[Combo]:

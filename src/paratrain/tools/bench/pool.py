@@ -46,6 +46,8 @@ def run_spec(
         seed=settings.seed,
         activation_checkpointing=combo.activation_checkpointing,
         threads=threads,
+        replicate=combo.replicate,
+        tp=combo.tp,
     )
 
 

@@ -10,6 +10,7 @@ import time
 
 from paratrain.tools.bench.combos import (
     enumerate_combos,
+    refuse_models,
     with_activation_checkpointing,
     with_thread_counts,
 )
@@ -50,10 +51,11 @@ def run_bench(settings: BenchSettings, progress: ProgressFn | None = None) -> Be
     the others' round by round; clear losers stop early, and two leaders within noise of
     each other get ``EXTRA_WINDOWS`` more each before recommending."""
     started_at, begin = _now(), time.perf_counter()
-    train_samples, batch_sizes = check_task(settings.source, settings.batch_sizes)
+    train_samples, batch_sizes, model = check_task(settings.source, settings.batch_sizes)
     combos = enumerate_combos(
         settings.strategies, settings.precisions, batch_sizes, settings.devices
     )
+    combos = refuse_models(combos, model)
     # chosen once, before any worker loads the machine (and the same for every combination)
     counts = {c.processes: chosen_threads(c.processes) for c in combos}
     combos = with_thread_counts(combos, settings.threads, counts.__getitem__)

@@ -154,10 +154,13 @@ def _sample(target: str, sample_batch: Callable[[int], Any], n: int) -> tuple[to
     return batch[0].cpu(), batch[1].cpu()
 
 
-def check_task(source: TaskSource, batch_sizes: list[int] | None) -> tuple[int, list[int]]:
+def check_task(
+    source: TaskSource, batch_sizes: list[int] | None
+) -> tuple[int, list[int], nn.Module]:
     """Load ``source`` once here, so a broken recipe or script fails before any worker
-    starts. Returns the number of training samples and the batch sizes to measure
-    (``None``: the recipe's own, 32 for a script)."""
+    starts. Returns the number of training samples, the batch sizes to measure
+    (``None``: the recipe's own, 32 for a script) and the model (layouts that refuse it are
+    not started)."""
     task = load_task(source, max(batch_sizes) if batch_sizes else None)
     sizes = batch_sizes or [task.default_batch_size]
     size = len(task.dataset)  # type: ignore[arg-type]
@@ -167,4 +170,4 @@ def check_task(source: TaskSource, batch_sizes: list[int] | None) -> tuple[int, 
             f"batch size {too_big[0]} is larger than the {size} training samples of "
             f"{source.name}; choose smaller --batch-sizes"
         )
-    return size, sizes
+    return size, sizes, task.model

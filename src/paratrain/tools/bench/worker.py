@@ -60,6 +60,9 @@ class RunSpec:
     #: intra-op threads of each process (chosen by the bench, which sees the machine before
     #: its workers load it); None: the worker's runtime chooses
     threads: int | None = None
+    #: copies of the layout (``--replicate``) and processes splitting each layer (``--tp``)
+    replicate: int = 1
+    tp: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,6 +208,8 @@ def main(argv: list[str]) -> int:
             seed=spec.seed,
             activation_checkpointing=spec.activation_checkpointing,
             threads=spec.threads,
+            replicate=spec.replicate,
+            tp=spec.tp,
         )
         rt.launch(measure_in_process, spec, str(out_dir))
     except Exception as exc:
