@@ -104,8 +104,9 @@ def trace_step(
     mode: contextlib.AbstractContextManager[Any] = (
         FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     )
+    built = _build(build, mode) if isinstance(mode, FakeTensorMode) else build()
     with mode:
-        model, loss_fn, make_optimizer, sample = build()
+        model, loss_fn, make_optimizer, sample = built
         if wrap is not None:
             model = wrap(model)
         optimizer = make_optimizer(model.parameters())
@@ -147,6 +148,32 @@ def trace_step(
         stage_outputs,
         refusal,
     )
+
+
+def _build(build: Builder, mode: Any) -> Any:
+    """``build()`` under ``mode`` (fake tensors). A constructor that reads a number it
+    computes (timm's stochastic depth rates: ``torch.linspace(...).item()``) cannot run on
+    fake tensors: the model is then built on real ones and traced through fakes of its
+    parameters and buffers (tied ones stay one)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    try:
+        with mode:
+            return build()
+    except DataDependentOutputException:
+        built = build()
+    fakes: dict[int, Any] = {}
+    for module in built[0].modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in fakes:
+                fake = mode.from_tensor(parameter.detach())
+                fakes[id(parameter)] = nn.Parameter(fake, parameter.requires_grad)
+            if parameter is not None:
+                module._parameters[name] = fakes[id(parameter)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = mode.from_tensor(buffer)
+    return built
 
 
 def _stage_modules(model: nn.Module, stages: int) -> tuple[list[nn.Module], str]:
