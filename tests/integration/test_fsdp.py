@@ -171,8 +171,10 @@ def test_each_process_holds_its_share_and_checkpoints_are_full(tmp_path: Path) -
     assert [m.shape for m in momenta] == [p.shape for p in list(model.parameters())[:3]]
 
 
-def test_fsdp_run_stopped_and_resumed_is_bit_identical(paratrain_cli: CLI, tmp_path: Path) -> None:
-    assert_stopped_and_resumed_run_is_bit_identical(paratrain_cli, tmp_path, "fsdp")
+def test_fsdp_run_stopped_and_resumed_is_bit_identical(
+    paratrain_cli: CLI, paratrain_here: CLI, tmp_path: Path
+) -> None:
+    assert_stopped_and_resumed_run_is_bit_identical(paratrain_cli, paratrain_here, tmp_path, "fsdp")
 
 
 def test_bench_measures_fsdp_and_says_when_it_is_the_only_fit() -> None:
