@@ -116,7 +116,7 @@ def _cache_keyword(function: Callable[..., Any]) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _attach(root: nn.Module, qualified: str, module: nn.Module) -> None:
+def attach(root: nn.Module, qualified: str, module: nn.Module) -> None:
     """``module`` under ``root`` at the dotted name ``qualified``, with empty containers on
     the way: the stage's state dict keys are the model's."""
     *path, leaf = qualified.split(".")
@@ -157,7 +157,7 @@ class DecoderStage(nn.Module):
         if last:
             names += [layout.norm, layout.head]
         for name in names:
-            _attach(self, name, model.get_submodule(name))
+            attach(self, name, model.get_submodule(name))
         object.__setattr__(self, "config", getattr(model, "config", None))
         object.__setattr__(self, "_causal_mask", create_causal_mask)
         # no key/value cache, by the name this Transformers version gives it

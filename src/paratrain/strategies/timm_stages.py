@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.strategies.decoder_stages import attach
+
 Tensor = torch.Tensor
 
 
@@ -126,18 +128,6 @@ def build_stages(model: nn.Module, layout: ImageLayout, starts: Sequence[int]) -
     ]
 
 
-def _attach(root: nn.Module, qualified: str, module: nn.Module) -> None:
-    """``module`` under ``root`` at the dotted name ``qualified``, with empty containers on
-    the way: the stage's state dict keys are the model's."""
-    *path, leaf = qualified.split(".")
-    parent = root
-    for part in path:
-        if part not in parent._modules:
-            parent.add_module(part, nn.Module())
-        parent = parent._modules[part]  # type: ignore[assignment]
-    parent.add_module(leaf, module)
-
-
 class ImageStage(nn.Module):
     """Some blocks of a timm ViT or ResNet, with the stem on the first stage and the head on
     the last, called as the model's forward calls them."""
@@ -170,7 +160,7 @@ class ImageStage(nn.Module):
         if last:
             names += _present(model, layout.head)
         for name in names:
-            _attach(self, name, model.get_submodule(name))
+            attach(self, name, model.get_submodule(name))
 
     def forward(self, x: Tensor) -> Tensor:
         """Images (first stage) or the features the stage before returned; the next
