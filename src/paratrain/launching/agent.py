@@ -155,7 +155,13 @@ class AgentLauncher(Launcher):
                 variables[SIGNALS_VARIABLE] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
             watchdog = WatchdogThread(self.watchdog) if self.watchdog is not None else None
             stores = loopback.agent_stores() if _on_loopback(nodes) else contextlib.nullcontext()
-            with watchdog or contextlib.nullcontext(), stores, _second_interrupt_kills(tmp):
+            recorded = _first_exits_recorded(tmp)
+            with (
+                watchdog or contextlib.nullcontext(),
+                stores,
+                _second_interrupt_kills(tmp),
+                recorded,
+            ):
                 try:
                     with environment.exported(variables):
                         torch_run(parsed)
@@ -248,6 +254,31 @@ def _second_interrupt_kills(tmp: Path) -> Iterator[None]:
         api._terminate_process_handler = original
 
 
+@contextlib.contextmanager
+def _first_exits_recorded(tmp: Path) -> Iterator[None]:
+    """The agent's first look that finds failed processes, recorded per attempt: the ranks
+    that failed then are the cause; the ones it tears down next fail after them, some
+    without a report of their own (see :func:`previous_failure`)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._monitor_workers
+
+    def monitor(agent: Any, worker_group: Any) -> Any:
+        result = original(agent, worker_group)
+        remaining = getattr(agent, "_remaining_restarts", None)
+        if result.is_failed() and result.failures and remaining is not None:
+            attempt = worker_group.spec.max_restarts - remaining
+            codes = {int(rank): int(f.exitcode) for rank, f in result.failures.items()}
+            ReportFolder(tmp).exited(attempt, codes)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
+
+
 def _kill_left(tmp: Path) -> None:
     """SIGKILL the processes of this machine still running (each leads its own session)."""
     for pid in ReportFolder(tmp).started_pids().values():
@@ -259,11 +290,14 @@ def _kill_left(tmp: Path) -> None:
 
 def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:
     """Which rank made attempt ``attempt`` fail, as the processes of this machine left
-    it in the report folder: one that died without a word (killed), else the first that
-    raised."""
+    it in the report folder: of the ranks the agent saw fail first (all, when it did not
+    record them), one that died without a word (killed), else the first that raised."""
     reports = ReportFolder(tmp)
+    first = set(reports.first_exits(attempt)) or set(reports.started_pids(attempt))
     raised = [f for f in reports.failures(attempt) if f.kind == "crash"]
-    silent = sorted(set(reports.started_pids(attempt)) - {f.rank for f in raised})
+    first_raised = [f for f in raised if f.rank in first]
+    raised = first_raised or raised
+    silent = sorted(first & (set(reports.started_pids(attempt)) - {f.rank for f in raised}))
     if silent:
         return f"rank {silent[0]} died (killed, or exited without an error)"
     if raised:

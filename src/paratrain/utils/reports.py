@@ -9,7 +9,9 @@ rank leaves there, per attempt (torchrun's agent restarts the processes):
   line, exit 2), a launch error (one line, exit 1: a NaN loss, ranks out of step) or a
   crash (its traceback), with the time it happened: when one rank fails, the others fail
   soon after in their collectives, and the earliest is the cause;
-* ``stopped-a{A}.json``: the stop on a signal rank 0 acted on (its line already printed).
+* ``stopped-a{A}.json``: the stop on a signal rank 0 acted on (its line already printed);
+* ``exited-a{A}.json``: written by torchrun's agent, the ranks it saw fail first and their
+  exit codes (the processes it then tears down fail later, often without a report).
 
 Every file appears whole (written aside, then renamed into place): a launcher that reads
 the folder while a rank writes never sees half a report.
@@ -88,6 +90,12 @@ class ReportFolder:
     def stopped(self, attempt: int, stop: Mapping[str, Any]) -> None:
         self._write(f"stopped-a{attempt}.json", json.dumps(dict(stop)))
 
+    def exited(self, attempt: int, codes: Mapping[int, int]) -> None:
+        if not (self.directory / f"exited-a{attempt}.json").exists():  # the first look only
+            self._write(
+                f"exited-a{attempt}.json", json.dumps({str(r): c for r, c in codes.items()})
+            )
+
     def _write(self, name: str, text: str) -> None:
         aside = self.directory / f".{name}.{os.getpid()}.tmp"
         aside.write_text(text, encoding="utf-8")
@@ -137,6 +145,15 @@ class ReportFolder:
             with contextlib.suppress(OSError, ValueError):
                 pids[_rank_of(path)] = int(path.read_text(encoding="utf-8"))
         return pids
+
+    def first_exits(self, attempt: int) -> dict[int, int]:
+        """``{rank: exit code}`` of the ranks the agent saw fail first in ``attempt`` (empty:
+        not recorded, as on a machine whose own processes did not fail first)."""
+        try:
+            saved = json.loads((self.directory / f"exited-a{attempt}.json").read_text("utf-8"))
+            return {int(rank): int(code) for rank, code in saved.items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            return {}
 
     def stop(self) -> dict[str, Any] | None:
         """The stop the newest attempt recorded, or None."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from paratrain.launching.agent import root_first
+from paratrain.launching.agent import previous_failure, root_first
 from paratrain.utils.reports import ReportFolder
 
 
@@ -56,3 +56,37 @@ def test_one_failure_is_its_own_cause(tmp_path: Path) -> None:
     seen = ChildFailedError("train", {1: _seen(1, 1, tmp_path)})
     named = root_first(seen, ReportFolder(tmp_path))
     assert isinstance(named, ChildFailedError) and named.get_first_failure()[0] == 1
+
+
+def test_the_restart_note_names_the_killed_rank_not_the_one_torn_down_after_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 was killed; the agent then stopped rank 0 with SIGTERM, which rank 0 took for
+    a stop (no report either). Both are silent: the agent's first look tells them apart."""
+    reports = ReportFolder(tmp_path)
+    reports.started(0, 0, 4000)
+    reports.started(0, 1, 4001)
+    reports.exited(0, {1: -9})
+    reports.exited(0, {0: -15, 1: -9})  # a later look does not replace the first
+    assert previous_failure(tmp_path, 0, 2).startswith("rank 1 died")
+
+
+def test_the_restart_note_names_the_first_rank_that_raised_in_the_agents_first_look(
+    tmp_path: Path,
+) -> None:
+    reports = ReportFolder(tmp_path)
+    for rank in (0, 1, 2):
+        reports.started(0, rank, 4000 + rank)
+    reports.failed(0, 0, "crash", "Traceback\nRuntimeError: Connection closed by peer")
+    reports.failed(0, 2, "crash", "Traceback\nValueError: bad batch")
+    reports.exited(0, {2: 1})
+    assert previous_failure(tmp_path, 0, 3) == "rank 2 failed (ValueError: bad batch)"
+
+
+def test_without_the_agents_record_a_silent_rank_is_named(tmp_path: Path) -> None:
+    """The processes of another machine failed first: this one's record is empty."""
+    reports = ReportFolder(tmp_path)
+    reports.started(0, 0, 4000)
+    reports.started(0, 1, 4001)
+    reports.failed(0, 0, "crash", "Traceback\nRuntimeError: Connection closed by peer")
+    assert previous_failure(tmp_path, 0, 4).startswith("rank 1 died")
