@@ -380,8 +380,10 @@ def test_a_run_moved_between_schedulers_and_stopped_four_times_ends_bit_identica
     result = paratrain(*agent, cwd=tmp_path, PARATRAIN_TEST_FAULT=faults)
     assert result.returncode == 143, result.stderr[-3000:]
     restart = "paratrain: note: rank 1 died (killed, or exited without an error); restart 1: "
-    continued = restart + "continuing from run/checkpoints/step-000010"
-    assert result.stdout.startswith(continued), (result.stdout[:500], result.stderr[-2000:])
+    # step 10's checkpoint is written in the background: on a busy machine it may not be
+    # complete when rank 1 dies at step 12, and the run continues from step 5's
+    continued = [restart + f"continuing from run/checkpoints/step-0000{s}\n" for s in ("10", "05")]
+    assert result.stdout.startswith(tuple(continued)), (result.stdout[:500], result.stderr[-2000:])
     assert f"paratrain: stopped by SIGTERM after step {k2}" in result.stderr
     assert result.stderr.count("\n") == 2, result.stderr  # the autoresume note and the stop
     result = paratrain(*agent, cwd=tmp_path, PARATRAIN_TEST_FAULT=f"launcher-sigint:1:{k3}")
