@@ -7,22 +7,27 @@ Before: `--data-dir` was for cifar10-resnet18 only, and there was no `paratrain 
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import CLI, subprocess_env
 from helpers.cli import run_paratrain
 from safetensors.torch import load_file
+
+from paratrain.cli.main import main
 
 pytestmark = pytest.mark.slow  # several runs of the command, on real processes
 pytest.importorskip("webdataset")
 
 LAYOUTS = {"cpu": ["--strategy", "cpu"], "ddp": ["--strategy", "ddp", "--devices", "cpu,cpu"]}
-#: 1,437 training samples of digits in batches of 64: 23 steps an epoch, 46 in all
+#: 1,437 training samples of digits in batches of 64: 23 steps an epoch, 46 in all; one
+#: thread a process, in this process as in a new one (bit-identical runs)
 TRAIN = ["train", "--recipe", "digits", "--epochs", "2", "--batch-size", "64", "--no-progress"]
+TRAIN += ["--threads", "1"]
 
 
 #: the path of the uninterrupted run on a layout
@@ -55,10 +60,11 @@ def uninterrupted(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Ref
 
     def run(layout: str) -> Path:
         if layout not in done:
+            # in this process (its ranks start from the session's fork server)
             train = [*TRAIN, "--data-dir", str(shards), *LAYOUTS[layout], "--save-every", "5"]
-            result = paratrain(*train, "--out", layout, cwd=folder)
-            assert result.returncode == 0, result.stderr[-3000:]
-            assert "trained 2 epochs, 46 steps" in result.stdout
+            assert main([*train, "--out", str(folder / layout)]) == 0
+            lines = (folder / layout / "metrics.jsonl").read_text().splitlines()
+            assert [json.loads(line)["step"] for line in lines][-1] == 46
             done[layout] = folder / layout
         return done[layout]
 
@@ -75,7 +81,7 @@ def test_shards_train_to_the_same_weights_on_one_process_and_two(
 
 @pytest.mark.parametrize("layout", ["cpu", "ddp"])
 def test_a_run_killed_twice_in_one_epoch_ends_bit_identical(
-    layout: str, shards: Path, uninterrupted: Reference, tmp_path: Path
+    layout: str, shards: Path, uninterrupted: Reference, tmp_path: Path, paratrain_here: CLI
 ) -> None:
     """Checkpoints every 5 steps; killed after steps 29 (epoch 1, from the start) and 38
     (epoch 1 again, from step 25's checkpoint), then run to the end from step 35's: a second
@@ -88,7 +94,7 @@ def test_a_run_killed_twice_in_one_epoch_ends_bit_identical(
         assert result.returncode != 0, result.stderr[-3000:]
         if resumed is not None:
             assert f"continuing from run/checkpoints/step-{resumed:06d}" in result.stderr
-    result = paratrain(*train, "run", cwd=tmp_path)
+    result = paratrain_here(*train, "run")  # the last leg in this process
     assert result.returncode == 0, result.stderr[-3000:]
     assert "continuing from run/checkpoints/step-000035" in result.stderr
     reference = uninterrupted(layout)
