@@ -165,9 +165,15 @@ def test_a_pipeline_in_two_copies_is_two_pipelines_of_half_the_stages_on_half_th
     which one pipeline of 4 stages cannot cut); `paratrain plan --devices 4` lists it beside
     ``hsdp 2x2`` and ``fsdp x tp 2x2``, and not on 3 devices."""
     build, _ = _builders()["tiny-gpt width 64"]
+    traced: dict[tuple[int, int], Any] = {}  # a 2-stage cut at one batch, traced once
 
     def cut(stages: int) -> Any:
-        return lambda b: trace_step(build, b, stages=stages)
+        def trace(b: int) -> Any:
+            if (stages, b) not in traced:
+                traced[stages, b] = trace_step(build, b, stages=stages)
+            return traced[stages, b]
+
+        return trace
 
     four = plan_memory(cut(4), "gpt", 16, "32", 4, "cpu", 1 << 40, "-", copy_trace=cut(2))
     two = plan_memory(cut(2), "gpt", 8, "32", 2, "cpu", 1 << 40, "-")
