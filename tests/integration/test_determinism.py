@@ -42,10 +42,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_config_json_records_the_numerics_of_every_run(paratrain_cli: CLI, tmp_path: Path) -> None:
+def test_config_json_records_the_numerics_of_every_run(
+    paratrain_cli: CLI, paratrain_here: CLI, tmp_path: Path
+) -> None:
     common = ("train", "--recipe", "linear", "--strategy", "cpu", "--max-steps", "3")
     common += ("--no-progress",)
-    assert paratrain_cli(*common, "--out", "plain").returncode == 0
+    assert paratrain_here(*common, "--out", "plain").returncode == 0
     result = paratrain_cli(*common, "--deterministic", "--out", "exact")
     assert result.returncode == 0, result.stderr
     plain = json.loads((tmp_path / "plain" / "config.json").read_text())

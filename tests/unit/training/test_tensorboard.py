@@ -71,9 +71,9 @@ def test_overwrite_starts_a_fresh_log(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 @pytest.mark.slow
-def test_ddp_writes_from_the_main_process_only(tmp_path: Path, paratrain_cli: CLI) -> None:
+def test_ddp_writes_from_the_main_process_only(tmp_path: Path, paratrain_here: CLI) -> None:
     run = tmp_path / "ddp"
-    done = paratrain_cli(
+    done = paratrain_here(
         "train", "--strategy", "ddp", "--devices", "cpu,cpu", "--max-steps", "3",
         "--no-progress", "--tensorboard", "--out", str(run),
     )  # fmt: skip
