@@ -241,20 +241,21 @@ def _plan(
 ) -> Any:
     """`paratrain plan`'s plan of ``count`` devices; ``mesh``: with the traces of its
     two-dimensional rows (a pipeline copy's stages, a tensor parallel pair's process)."""
-    from paratrain.cli.commands.plan import tensor_parallel_tracer, with_checkpointing
-    from paratrain.tools.plan import plan_memory, trace_step
+    from paratrain.cli.commands.plan import (
+        shared_traces,
+        tensor_parallel_tracer,
+        with_checkpointing,
+    )
+    from paratrain.tools.plan import plan_memory
 
     wrap = with_checkpointing if recompute else None
-
-    def traced(stages: int) -> Any:
-        return lambda b: trace_step(build, b, precision=precision, wrap=wrap, stages=stages)
-
+    traced = shared_traces(build, precision, wrap, (count, count // 2) if mesh else (count,))
     copies = tp = None
     if mesh:
-        copies = traced(count // 2)
+        copies = traced[count // 2]
         tp = tensor_parallel_tracer(build, count, precision, wrap)[0]
     return plan_memory(
-        traced(count), model, batch, precision, count, accelerator, 1 << 60, "-", copies, tp
+        traced[count], model, batch, precision, count, accelerator, 1 << 60, "-", copies, tp
     )
 
 

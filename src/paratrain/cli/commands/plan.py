@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from paratrain.devices.precision import normalize_precision
-    from paratrain.tools.plan import plan_memory, trace_step
+    from paratrain.tools.plan import plan_memory
     from paratrain.tools.plan.chart import MISSING_MATPLOTLIB, write_plan_chart
     from paratrain.tools.plan.layouts import has_pairs, tp_row
     from paratrain.tools.plan.report import gib, print_plan
@@ -82,13 +82,12 @@ def run(args: argparse.Namespace) -> int:
     for checkpointed in (False, True) if args.activation_checkpointing else (False,):
         wrap = with_checkpointing if checkpointed else None
 
-        def traced(stages: int, wrap: Any = wrap) -> Callable[[int], Any]:
-            return lambda b: trace_step(build, b, precision=precision, wrap=wrap, stages=stages)
-
         in_copies = has_pairs(devices)  # pipeline --replicate 2
+        cuts = (devices, devices // 2) if in_copies else (devices,)
+        traced = shared_traces(build, precision, wrap, cuts)
         tp_trace, tp_refused = tensor_parallel_tracer(build, devices, precision, wrap)
         plans[checkpointed] = plan_memory(
-            traced(devices),
+            traced[devices],
             source.name,
             batch,
             precision,
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             accelerator,
             memory,
             where,
-            copy_trace=traced(devices // 2) if in_copies else None,
+            copy_trace=traced[devices // 2] if in_copies else None,
             tp_trace=tp_trace,
         )
         if tp_refused:
@@ -125,6 +124,26 @@ def run(args: argparse.Namespace) -> int:
     if args.chart and not write_plan_chart(plan, Path(args.chart)):
         print(MISSING_MATPLOTLIB)
     return 0
+
+
+def shared_traces(
+    build: Any, precision: str, wrap: Any, cuts: tuple[int, ...]
+) -> dict[int, Callable[[int], Any]]:
+    """A tracer for each pipeline cut in ``cuts`` (``{stages: tracer}``) that share their
+    traced steps: a batch that two of them need is traced once."""
+    from paratrain.tools.plan.trace import trace_cuts
+
+    seen: dict[int, dict[int, Any]] = {}
+
+    def at(batch: int) -> dict[int, Any]:
+        if batch not in seen:
+            seen[batch] = trace_cuts(build, batch, precision=precision, wrap=wrap, cuts=cuts)
+        return seen[batch]
+
+    def tracer(stages: int) -> Callable[[int], Any]:
+        return lambda batch: at(batch)[stages]
+
+    return {n: tracer(n) for n in cuts}
 
 
 def tensor_parallel_tracer(

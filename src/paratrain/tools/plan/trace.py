@@ -8,6 +8,7 @@ The same tracker over real tensors (``fake=False``) is how the prediction is che
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -93,11 +94,24 @@ def trace_step(
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     stages: int = 0,
 ) -> StepTrace:
-    """Trace two training steps of ``batch`` samples (the second one holds the optimizer's
+    """Trace a training step of ``batch`` samples (the second one, which holds the optimizer's
     state, as every later step does) under ``precision``'s autocast (bf16, fp16); ``wrap``
     changes the model before tracing (activation checkpointing); ``stages`` > 1: also how
     the pipeline's default cut into that many stages shares the parameters and the
     activations."""
+    return trace_cuts(build, batch, fake, precision, wrap, (stages,))[stages]
+
+
+def trace_cuts(
+    build: Builder,
+    batch: int,
+    fake: bool = True,
+    precision: str = "32",
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    cuts: tuple[int, ...] = (0,),
+) -> dict[int, StepTrace]:
+    """:func:`trace_step` once for several pipeline cuts (``{stages: trace}``): the step is
+    the same, only the stages' shares differ (a plan on 4 devices reads cuts into 4 and 2)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -111,43 +125,72 @@ def trace_step(
             model = wrap(model)
         optimizer = make_optimizer(model.parameters())
         inputs, targets = sample(batch)
-        stage_modules, refusal = _stage_modules(model, stages) if stages > 1 else ([], "")
+        staged = {n: _stage_modules(model, n) if n > 1 else ([], "") for n in cuts}
         produced, hooks = _count_outputs(model)
+        # The first step, untracked: it creates the optimizer's state, which the tracker
+        # then finds with the parameters. The second holds all the first held and more:
+        # the peak is in it, traced at half the cost of tracing both.
+        output_bytes = _step(model, loss_fn, optimizer, inputs, targets, precision, hooks)
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
-        output_bytes = 0
         with tracker:
-            for step in range(2):
-                with _autocast(precision):
-                    output = model(inputs)
-                    if step == 0:  # the counts of one forward (not a recomputed one)
-                        for hook in hooks:
-                            hook.remove()
-                    output_bytes = tensor_bytes(output)
-                    loss = loss_fn(output, targets)
-                loss.backward()
-                del output
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                tracker.reset_mod_stats()
+            _step(model, loss_fn, optimizer, inputs, targets, precision, [])
         snapshot = tracker.get_tracker_snapshot("peak")
         blocks = [_bytes(block) for block in choose_blocks(model)]
         parameter_bytes = _bytes(model)
-        stage_bytes = tuple(_bytes(stage) for stage in stage_modules)
-        stage_outputs = tuple(
-            sum(produced.get(id(m), 0) for m in stage.modules()) for stage in stage_modules
-        )
-    return StepTrace(
+        shares = {
+            n: _stage_shares(stage_modules, produced) for n, (stage_modules, _) in staged.items()
+        }
+    step_trace = StepTrace(
         batch,
         _breakdown(snapshot),
         output_bytes,
         parameter_bytes,
         max(blocks, default=0),
         parameter_bytes - sum(blocks),
-        stage_bytes,
-        stage_outputs,
-        refusal,
     )
+    return {
+        n: dataclasses.replace(
+            step_trace,
+            stage_parameter_bytes=shares[n][0],
+            stage_activation_bytes=shares[n][1],
+            stage_refusal=staged[n][1],
+        )
+        for n in cuts
+    }
+
+
+def _step(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: Any,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    precision: str,
+    hooks: list[Any],
+) -> int:
+    """One training step; ``hooks`` are removed after its forward (the counts of one forward,
+    not of a recomputed one). Returns the bytes of the model's output."""
+    with _autocast(precision):
+        output = model(inputs)
+        for hook in hooks:
+            hook.remove()
+        output_bytes = tensor_bytes(output)
+        loss = loss_fn(output, targets)
+    loss.backward()
+    del output
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return output_bytes
+
+
+def _stage_shares(
+    stage_modules: list[nn.Module], produced: dict[int, int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each stage's parameter bytes, and the bytes its modules' outputs take in a forward."""
+    parameters = tuple(_bytes(stage) for stage in stage_modules)
+    outputs = tuple(sum(produced.get(id(m), 0) for m in stage.modules()) for stage in stage_modules)
+    return parameters, outputs
 
 
 def _build(build: Builder, mode: Any) -> Any:
