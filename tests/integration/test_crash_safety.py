@@ -90,10 +90,13 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 
 def _stalled_save(run: Path) -> bool:
-    """A complete checkpoint exists and the next one is written, not yet renamed."""
+    """A complete checkpoint exists and a later one is written, not yet renamed. The
+    complete ones are listed first: a pending one seen before them may be the one that
+    became complete in between."""
+    complete = list_checkpoints(run)
     root = run / "checkpoints"
-    pending = list(root.glob(".step-*.tmp/state.json")) if root.is_dir() else []
-    return bool(list_checkpoints(run)) and bool(pending)
+    pending = [p.parent.name for p in root.glob(".step-*.tmp/state.json")] if complete else []
+    return any(name > f".{complete[-1].name}.tmp" for name in pending)
 
 
 @pytest.fixture(scope="module")
