@@ -29,6 +29,7 @@ import paratrain
 from paratrain.cli.commands.plan import recipe_builder
 from paratrain.models import GPT
 from paratrain.tools.plan import plan_memory, trace_step
+from paratrain.tools.plan.trace import totals_tracker
 
 MODELS = {
     "digits": 64,
@@ -57,29 +58,6 @@ def builder(name: str) -> Any:
     return recipe_builder(name, synthetic=synthetic)[0]
 
 
-class _NoModules:
-    """MemTracker's module tracker without its hooks: the totals stay, the per-module
-    figures (unused here) are not kept."""
-
-    parents: frozenset[str] = frozenset()
-    is_bw = False
-
-    def get_known_fqn(self, module: nn.Module) -> None:
-        return None
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> _NoModules:
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        pass
-
-
 def measure(rt: paratrain.Runtime, name: str, batch: int) -> list[int]:
     """The peak bytes the tracker sees over two real steps, per process (dp-balanced: its
     one process, both replicas on the same CPU)."""
@@ -96,11 +74,11 @@ def measure(rt: paratrain.Runtime, name: str, batch: int) -> list[int]:
     tracker: Any
     if rt.strategy.name == "fsdp":
         tracker = FSDPMemTracker(model, optimizer)
+    elif rt.strategy.name == "pipeline":  # module hooks break pipelining's autograd.grad
+        tracker = totals_tracker(model, optimizer)
     else:
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
-    if rt.strategy.name == "pipeline":  # its module hooks break pipelining's autograd.grad
-        tracker._mod_tracker = _NoModules()
     with tracker:
         for _ in range(2):
             if rt.strategy.trains_in_pipeline:  # forward and backward run together

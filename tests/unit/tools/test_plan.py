@@ -18,7 +18,7 @@ from paratrain.cli.main import main
 from paratrain.models import GPT
 from paratrain.tools.plan import plan_memory, trace_step
 from paratrain.tools.plan.layouts import layouts, per_device
-from paratrain.tools.plan.trace import Breakdown, StepTrace
+from paratrain.tools.plan.trace import Breakdown, StepTrace, totals_tracker
 
 
 def _gpt(width: int) -> Any:
@@ -306,41 +306,14 @@ def test_fsdp_x_tp_prediction_within_15_percent_of_four_real_processes() -> None
     )
 
 
-class _NoModules:
-    """MemTracker's module tracker without its hooks (they break pipelining's
-    ``autograd.grad``): the totals stay, the per-module figures are not kept."""
-
-    parents: frozenset[str] = frozenset()
-    is_bw = False
-
-    def get_known_fqn(self, module: nn.Module) -> None:
-        return None
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> _NoModules:
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        pass
-
-
 def _measure_pipeline(rt: paratrain.Runtime, batch: int) -> list[int]:
     """In each pipeline process: the peak torch's MemTracker sees over two real steps of
     tiny-gpt (width 64) on this copy's part of the batch, every process's peak."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     model, loss_fn, make_optimizer, sample = _gpt(64)()
     optimizer = make_optimizer(model.parameters())
     model, optimizer = rt.setup(model, optimizer)
     x, y = sample(batch // rt.strategy.data_shards)  # every stage of a copy: its part
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    tracker._mod_tracker = _NoModules()  # type: ignore[assignment]
+    tracker = totals_tracker(model, optimizer)
     with tracker:
         for _ in range(2):
             rt.forward_backward(model, loss_fn, x, y)

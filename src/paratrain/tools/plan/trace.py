@@ -193,6 +193,39 @@ def _stage_shares(
     return parameters, outputs
 
 
+def totals_tracker(model: nn.Module, optimizer: Any) -> Any:
+    """A ``MemTracker`` of ``model`` and ``optimizer`` that keeps the totals by kind and no
+    per-module figures: its module hooks break pipelining's ``autograd.grad``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    tracker._mod_tracker = _NoModules()  # type: ignore[assignment]
+    return tracker
+
+
+class _NoModules:
+    """MemTracker's module tracker without its hooks."""
+
+    parents: frozenset[str] = frozenset()
+    is_bw = False
+
+    def get_known_fqn(self, module: nn.Module) -> None:
+        return None
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        pass
+
+
 def _build(build: Builder, mode: Any) -> Any:
     """``build()`` under ``mode`` (fake tensors). A constructor that reads a number it
     computes (timm's stochastic depth rates: ``torch.linspace(...).item()``) cannot run on
