@@ -19,6 +19,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# Before torch is imported: the tests run in two workers side by side (`-n 2`), each of
+# whose own runs would otherwise take an OpenMP thread per core and spin on a core the other
+# worker holds (the slow tier took 13 minutes that way, 7 with one thread each; 2 cores).
+# The processes the tests start get one thread each from subprocess_env.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 import torch.distributed as dist
