@@ -13,7 +13,8 @@ the second's activations and the rest), but its replicas run in threads, which t
 (a dispatch mode, per thread) does not see: that measured figure is a partial count, not a
 check of the prediction, and it is not in the default set. DDP's gradient buckets are
 allocated inside its C++ reducer, which the tracker does not see: the measured ddp peak
-leaves them out, the prediction counts them.
+leaves them out, the prediction counts them. A layout that refuses a model (pipeline and
+ResNet's BatchNorm) has a line saying why instead of a row, as in `paratrain plan`.
 """
 
 from __future__ import annotations
@@ -128,6 +129,12 @@ def main() -> None:
         first, second = next(p.devices for p in plan.layouts if p.layout == "dp-balanced")
         predicted["dp-balanced"] = [first.total + second.activations + second.other]
         for strategy in strategies:
+            if strategy in plan.refused:  # pipeline refuses BatchNorm: no prediction, no run
+                print(
+                    f"{name:<20} {strategy:<12} no row, it refuses the model: "
+                    f"{plan.refused[strategy]}"
+                )
+                continue
             measured = paratrain.Runtime(strategy, devices=DEVICES[strategy]).launch(
                 measure, name, batch
             )
