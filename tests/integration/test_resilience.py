@@ -150,11 +150,14 @@ def test_two_machines_train_to_the_weights_of_one_process(
 ) -> None:
     steps = ["--max-steps", "50", "--no-progress"]
     endpoint = f"127.0.0.1:{free_port()}"
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     nodes = [
         start_paratrain(
             *("train", *CPU2, *steps, "--out", "two", "--nnodes", "2"),
             *("--node-rank", str(rank), "--rdzv-endpoint", endpoint),
             cwd=tmp_path,
+            env=subprocess_env(TMPDIR=str(temporary)),
         )
         for rank in (0, 1)
     ]
@@ -172,6 +175,13 @@ def test_two_machines_train_to_the_weights_of_one_process(
     diff = max((one[k] - two[k]).abs().max().item() for k in one)
     print(f"\n2 machines x 2 gloo processes vs one process after 50 steps: max abs diff {diff:.3g}")
     assert diff < 1e-5
+    assert _left_behind(temporary) == []
+
+
+def _left_behind(temporary: Path) -> list[str]:
+    """What the agents left in their temporary folder: nothing of their own, nor torch's
+    ``torchelastic_*`` log folders (torch's compile cache may stay)."""
+    return [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")]
 
 
 # -- non-finite losses ---------------------------------------------------------------------
@@ -407,7 +417,9 @@ def test_a_run_moved_between_schedulers_and_stopped_four_times_ends_bit_identica
 @pytest.mark.timeout(400)
 def test_a_run_that_keeps_failing_stops_after_n_restarts(tmp_path: Path) -> None:
     args = ["train", *RESTART_SETTINGS, "--no-progress", "--max-restarts", "2", "--out", "run"]
-    result = paratrain(*args, cwd=tmp_path, PARATRAIN_TEST_FAULT="kill:1:2")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = paratrain(*args, cwd=tmp_path, PARATRAIN_TEST_FAULT="kill:1:2", TMPDIR=str(temporary))
     err = result.stderr
     assert result.returncode == 1, err[-3000:]
     assert "paratrain: error: paratrain train failed after 2 restart(s); the cause:" in err
@@ -415,3 +427,4 @@ def test_a_run_that_keeps_failing_stops_after_n_restarts(tmp_path: Path) -> None
     assert re.search(r"rank\s*:\s*1 ", root_cause) and "SIGKILL" in root_cause, err[-3000:]
     assert err.count("paratrain: error:") == 1
     assert not os.path.exists(tmp_path / "run" / "model.safetensors")
+    assert _left_behind(temporary) == []

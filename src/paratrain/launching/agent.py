@@ -81,7 +81,12 @@ def _on_loopback(nodes: Nodes) -> bool:
     return nodes.endpoint is None or loopback.is_loopback(nodes.endpoint.rpartition(":")[0])
 
 
-def _torchrun_args(nodes: Nodes, nprocs: int, entry: Sequence[str], run_id: str) -> list[str]:
+def _torchrun_args(
+    nodes: Nodes, nprocs: int, entry: Sequence[str], run_id: str, log_dir: Path
+) -> list[str]:
+    """``log_dir``: where the agent keeps its processes' error files, inside the run's own
+    folder (left to itself, torch makes a ``torchelastic_*`` folder per run and never
+    removes it)."""
     endpoint = nodes.endpoint or f"{LOOPBACK}:0"
     # Where the workers find the agent's store: loopback, not this machine's name.
     local = [f"--local-addr={LOOPBACK}"] if _on_loopback(nodes) else []
@@ -95,6 +100,7 @@ def _torchrun_args(nodes: Nodes, nprocs: int, entry: Sequence[str], run_id: str)
         f"--rdzv-id={run_id}",
         f"--max-restarts={nodes.max_restarts}",
         "--monitor-interval=0.2",
+        f"--log-dir={log_dir}",
         "-m",
         *entry,
     ]
@@ -139,9 +145,9 @@ class AgentLauncher(Launcher):
         # A run id that every agent of a run shares: derived from the endpoint, or fresh
         # when this agent is alone.
         run_id = f"paratrain-{nodes.endpoint}" if nodes.endpoint else str(uuid.uuid4())
-        torch_args = _torchrun_args(nodes, self.nprocs, entry, run_id)
-        parsed = get_args_parser().parse_args(torch_args)
         with self.folder("paratrain-agent-") as tmp, quiet_torch_logs():
+            torch_args = _torchrun_args(nodes, self.nprocs, entry, run_id, tmp / "torchelastic")
+            parsed = get_args_parser().parse_args(torch_args)
             # torch's agent hands its own environment on to the processes it starts.
             variables = {
                 # A script's own init_process_group binds gloo/nccl to loopback too.
