@@ -25,7 +25,10 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import subprocess_env
@@ -85,7 +88,34 @@ def _param(index: int) -> object:
 
 
 @pytest.mark.parametrize("index", [_param(i) for i in range(len(BLOCKS))], ids=_name)
-def test_readme_python_example_runs(index: int, tmp_path: Path) -> None:
+def test_readme_python_example_runs(
+    index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block runs in a folder of its own, as a user's would: what it writes (``runs/``)
+    lands there, not in the checkout, and the folders it asks ``tempfile`` for are removed
+    afterwards (in a short temporary folder: a fork server's socket path has a length limit
+    that one under ``tmp_path`` passes)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with tempfile.TemporaryDirectory() as temporary:
+        monkeypatch.setattr(tempfile, "mkdtemp", _mkdtemp_in(temporary))
+        _run_block(index, tmp_path, work, temporary)
+
+
+def _mkdtemp_in(folder: str) -> Callable[..., str]:
+    """``tempfile.mkdtemp`` whose folders go to ``folder`` when the caller names neither a
+    folder nor a prefix: the example's own, not the fork server's (``pymp-``), which this
+    process keeps for later tests."""
+    mkdtemp = tempfile.mkdtemp
+
+    def inside(suffix: Any = None, prefix: Any = None, dir: Any = None) -> str:
+        return mkdtemp(suffix, prefix, folder if dir is None and prefix is None else dir)
+
+    return inside
+
+
+def _run_block(index: int, tmp_path: Path, work: Path, temporary: str) -> None:
     _, marker, code = BLOCKS[index]
     mode, style = _mode(marker)
     compiled = compile(code, _name(index), "exec")
@@ -101,7 +131,8 @@ def test_readme_python_example_runs(index: int, tmp_path: Path) -> None:
         script.write_text(code, encoding="utf-8")
         done = subprocess.run(
             [sys.executable, str(script)],
-            env=subprocess_env(),
+            cwd=work,
+            env=subprocess_env(TMPDIR=temporary),
             capture_output=True,
             text=True,
             timeout=240,

@@ -4,7 +4,6 @@ over real tensors (--strategy cpu: one process, the layout's per-device batch)."
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,29 +47,30 @@ _HF_CONFIGS = {
 }  # fmt: skip
 
 
-def _hugging_face(family: str) -> Any:
-    path = Path(tempfile.mkdtemp()) / f"{family}.json"
+def _hugging_face(family: str, folder: Path) -> Any:
+    path = folder / f"{family}.json"
     path.write_text(json.dumps(_HF_CONFIGS[family]))
     return recipe_builder(f"hf:{path}")[0]
 
 
-def _builders() -> dict[str, tuple[Any, int]]:
+def _builders(folder: Path) -> dict[str, tuple[Any, int]]:
+    """The models by name, and a batch size; ``folder`` holds the Hugging Face configs."""
     return {
         "digits": (recipe_builder("digits")[0], 64),
         "cifar10-resnet18": (recipe_builder("cifar10-resnet18", synthetic=16)[0], 4),
         "tiny-gpt width 64": (_gpt(64), 8),
         "tiny-gpt width 256": (_gpt(256), 8),
-        "hf:gpt2": (_hugging_face("gpt2"), 8),
-        "hf:llama": (_hugging_face("llama"), 8),
+        "hf:gpt2": (_hugging_face("gpt2", folder), 8),
+        "hf:llama": (_hugging_face("llama", folder), 8),
     }
 
 
 @pytest.mark.slow
-def test_prediction_within_15_percent_of_the_measured_peak() -> None:
+def test_prediction_within_15_percent_of_the_measured_peak(tmp_path: Path) -> None:
     """--strategy cpu: for each model, the peak predicted on fake tensors is within 15% of
     the peak the same tracker measures over real tensors."""
     errors = {}
-    for name, (build, batch) in _builders().items():
+    for name, (build, batch) in _builders(tmp_path).items():
         for size in (batch,):
             predicted = trace_step(build, size).peak
             measured = trace_step(build, size, fake=False).peak
@@ -80,10 +80,10 @@ def test_prediction_within_15_percent_of_the_measured_peak() -> None:
 
 
 @pytest.mark.slow
-def test_layouts_split_what_they_split() -> None:
+def test_layouts_split_what_they_split(tmp_path: Path) -> None:
     """--strategy cpu tracing: ddp halves activations, fsdp shards the optimizer state,
     pipeline's first stage holds more activations than its last; a tiny device fits none."""
-    build, _ = _builders()["tiny-gpt width 64"]
+    build, _ = _builders(tmp_path)["tiny-gpt width 64"]
     plan = plan_memory(lambda b: trace_step(build, b), "gpt", 16, "32", 2, "cuda", 1 << 30, "test")
     by = {p.layout: p for p in plan.layouts}
     assert set(by) == {"cuda", "dp", "dp-balanced", "ddp", "fsdp", "pipeline"}
@@ -100,10 +100,10 @@ def test_layouts_split_what_they_split() -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_stages_hold_their_own_layers_and_all_their_gradients() -> None:
+def test_pipeline_stages_hold_their_own_layers_and_all_their_gradients(tmp_path: Path) -> None:
     """--strategy cpu tracing, pipeline x2: digits is cut into its convolutions (small) and
     its classifier (most of the parameters); each stage keeps all its gradients."""
-    build, batch = _builders()["digits"]
+    build, batch = _builders(tmp_path)["digits"]
     plan = plan_memory(
         lambda b: trace_step(build, b, stages=2), "digits", batch, "32", 2, "cpu", 1 << 40, "-"
     )
@@ -158,13 +158,13 @@ def test_pipeline_activations_sit_in_the_stage_whose_layers_make_them() -> None:
 
 @pytest.mark.slow
 def test_a_pipeline_in_two_copies_is_two_pipelines_of_half_the_stages_on_half_the_batch(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """--strategy cpu tracing, 4 devices: the ``pipeline 2x2`` row (pipeline --replicate 2)
     holds, on each copy, what a 2-stage pipeline holds at half the batch (a model of 2 blocks,
     which one pipeline of 4 stages cannot cut); `paratrain plan --devices 4` lists it beside
     ``hsdp 2x2`` and ``fsdp x tp 2x2``, and not on 3 devices."""
-    build, _ = _builders()["tiny-gpt width 64"]
+    build, _ = _builders(tmp_path)["tiny-gpt width 64"]
     traced: dict[tuple[int, int], Any] = {}  # a 2-stage cut at one batch, traced once
 
     def cut(stages: int) -> Any:
