@@ -30,8 +30,9 @@ is made without waiting for the device. On the batches of ``rt.setup_loader`` (t
 number on every process) the quiet path does not even agree at every step: the main process
 proposes a pace in each agreement (slot 12: the optimizer steps that make
 ``agreement_seconds`` at the speed of the last ones), every process reads it at the same
-step, and the next agreement is due then (or at the epoch's end); each process keeps the
-step of its first non-finite loss on its device meanwhile. On a CPU machine a small
+step, and the next agreement is due then (or at the epoch's end); each process keeps its
+losses since the last one on its device meanwhile, computing nothing from them until then
+(:class:`paratrain.runtime.nonfinite.Kept`). On a CPU machine a small
 all-reduce costs about a millisecond, a fifth of a small model's step. A non-finite loss
 therefore stops every process by the next agreement (its message names the step of the
 first one), and a signal is acted on one step after the agreement that carried it;
@@ -194,7 +195,8 @@ class HostCopy:
         elif self._event is not None:
             self._event.synchronize()
         assert self._host is not None
-        return self._host.tolist()
+        values = self._host.tolist()  # a 0-d tensor gives a number
+        return values if isinstance(values, list) else [values]
 
 
 @dataclass(frozen=True)
@@ -274,12 +276,14 @@ class StepAgreement:
         on_read: Callable[[Verdict], None],
     ) -> None:
         """The all-reduce of :meth:`exchange` (none for one process), read later: ``on_read``
-        gets the verdict when :meth:`settle` reads it."""
+        gets the verdict when :meth:`settle` reads it. ``bad``: this process's non-finite
+        flag on its device; for one process, the losses themselves (read on the host, where
+        a non-finite one is bad: no operation on the device)."""
         self.settle(collective)  # the previous step's, whose all-reduce ended long ago
         self.begun += 1
         self.agreed_through = max(self.agreed_through, step)
         if collective.world_size == 1:
-            message = Reduction(bad.reshape(1).to(torch.float64))
+            message = Reduction(bad)
         else:
             signum, minus_at = preemption.local_values()
             pace = self._pace(collective.rank, step)
@@ -294,7 +298,8 @@ class StepAgreement:
             sent = self._sent.popleft()
             values = sent.copy.values()
             if sent.world_size == 1:
-                sent.on_read(Verdict(bad=values[0] > 0, stop=preemption.requested()))
+                bad = not all(math.isfinite(value) for value in values)
+                sent.on_read(Verdict(bad=bad, stop=preemption.requested()))
                 continue
             sent.on_read(self._told(Told.decode(values), sent.step, sent.here, sent.rank))
 

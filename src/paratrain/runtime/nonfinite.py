@@ -47,16 +47,59 @@ POLICIES = ("error", "skip", "off")
 
 
 @dataclass(frozen=True)
+class Kept:
+    """The losses this process looked at since the last agreement, newest first, detached
+    and left on their device: a micro-batch that does not agree costs no tensor operation,
+    and only an agreement computes from them (on the device, no sync)."""
+
+    step: int
+    loss: torch.Tensor
+    earlier: Kept | None = None
+
+    def plus(self, step: int, loss: torch.Tensor) -> Kept:
+        return Kept(step, loss.detach(), self)
+
+    def entries(self) -> list[Kept]:
+        """Oldest first."""
+        found: list[Kept] = []
+        kept: Kept | None = self
+        while kept is not None:
+            found.append(kept)
+            kept = kept.earlier
+        found.reverse()
+        return found
+
+    def losses(self) -> torch.Tensor:
+        """The kept losses in one tensor (the only one as it is: no operation)."""
+        if self.earlier is None:
+            return self.loss
+        return torch.stack([kept.loss.reshape(()) for kept in self.entries()])
+
+    def flag(self) -> torch.Tensor:
+        """1.0 where a kept loss is NaN or infinite, else 0.0 (float64, on the device)."""
+        return torch.isfinite(self.losses()).all().logical_not().double()
+
+    def first_bad_step(self) -> int:
+        """The step of the first non-finite kept loss, 0 if none: reads each loss on the
+        host (only once the processes agreed that one was bad)."""
+        for kept in self.entries():
+            if not math.isfinite(float(kept.loss)):
+                return kept.step
+        return 0
+
+
+@dataclass(frozen=True)
 class Look:
     """One micro-batch's loss seen by this process alone, before the processes agree."""
 
     step: int
     ends_step: bool
-    #: this process's non-finite flag, to agree on now (None: nothing to agree on)
+    #: this process's non-finite flag, to agree on now, on its device (None: nothing to
+    #: agree on); on the quiet path of one process, the kept losses themselves
     bad: torch.Tensor | None = None
-    #: the step of this process's first non-finite loss since the last agreement (0: none;
-    #: float64, on the device), kept for the micro-batch that agrees
-    keep: torch.Tensor | None = None
+    #: the losses looked at since the last agreement, this one included, kept for the
+    #: micro-batch that agrees (None: none)
+    kept: Kept | None = None
 
 
 class NonFiniteCheck:
@@ -69,7 +112,7 @@ class NonFiniteCheck:
         self.policy = policy
         if self.policy not in POLICIES:
             raise UserError(f"non-finite policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        self._pending: torch.Tensor | None = None  # earlier micro-batches of this step
+        self._kept: Kept | None = None  # losses since the last agreement
 
     def look(
         self,
@@ -89,30 +132,30 @@ class NonFiniteCheck:
         if (
             not deferred
             and collective.world_size == 1
-            and self._pending is None
+            and self._kept is None
             and loss.is_cpu  # reading it costs no device sync (no torch.device made)
             and math.isfinite(loss.item())
         ):
             return Look(step, ends_step)  # one process, a finite loss: no tensor to make
-        # the first non-finite loss's step, kept on the device (no sync): the agreement may
-        # come steps later (the quiet path's pace), and the message names this one
-        now = torch.where(~torch.isfinite(loss.detach().double()), float(step), 0.0)
-        first = now if self._pending is None else torch.where(self._pending > 0, self._pending, now)
+        kept = Kept(step, loss.detach(), self._kept)
         if self.policy == "error" and not ends_step:
-            return Look(step, ends_step, keep=first)
+            return Look(step, ends_step, kept=kept)
         if local_only:
-            if bool(first > 0):
-                raise NonFiniteLossError(_message(str(collective.rank), int(first), self.policy))
+            first = kept.first_bad_step()
+            if first > 0:
+                raise NonFiniteLossError(_message(str(collective.rank), first, self.policy))
             return Look(step, ends_step)
-        return Look(step, ends_step, bad=first > 0, keep=first)
+        # one process reads its agreement on the host: the losses themselves
+        bad = kept.losses() if deferred and collective.world_size == 1 else kept.flag()
+        return Look(step, ends_step, bad=bad, kept=kept)
 
     def pending(self, step: int, device: torch.device) -> Look:
-        """What this process kept since the last agreement (its first non-finite loss's
-        step, or none), as the look of an agreement made now."""
-        first = self._pending
-        if first is None:
-            first = torch.zeros((), dtype=torch.float64, device=device)
-        return Look(step, True, bad=first > 0, keep=first)
+        """What this process kept since the last agreement, as the look of an agreement
+        made now."""
+        kept = self._kept
+        if kept is None:
+            return Look(step, True, bad=torch.zeros((), dtype=torch.float64, device=device))
+        return Look(step, True, bad=kept.flag(), kept=kept)
 
     def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
         """After the processes agreed that ``bad`` (some process saw a non-finite loss):
@@ -123,15 +166,16 @@ class NonFiniteCheck:
     def sent(self, look: Look) -> None:
         """``look`` went into the step's agreement (the next micro-batch starts afresh), or
         is kept for the one that agrees."""
-        self._pending = look.keep if look.bad is None else None
+        self._kept = look.kept if look.bad is None else None
 
     def judge(self, look: Look, collective: Collective, bad: bool) -> bool:
         """The policy's answer once the processes agreed that ``bad``: True when the
         micro-batch's gradients count; raises under the ``error`` policy."""
         if look.bad is None or not bad:
             return True
-        first = look.keep if look.keep is not None else look.bad.double() * look.step
-        steps = [int(part) for part in collective.all_gather(first.reshape(1))]
+        at = look.kept.first_bad_step() if look.kept is not None else 0
+        first = torch.tensor([float(at)], dtype=torch.float64, device=look.bad.device)
+        steps = [int(part) for part in collective.all_gather(first)]
         # the first: later ones on other ranks may only be its consequence (the gradients
         # all-reduced between two agreements carried the NaN to every rank's weights)
         step = min(at for at in steps if at > 0)

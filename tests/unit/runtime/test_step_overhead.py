@@ -5,11 +5,14 @@ before it, naming its own step."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import paratrain
 from paratrain.runtime.nonfinite import POLICY_VARIABLE
@@ -77,3 +80,39 @@ def test_skip_skips_the_nan_step_and_trains_the_others(monkeypatch: pytest.Monke
     _step(rt, model, optimizer, bad=False)
     assert not rt.step_skipped
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operations dispatched while it is active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(backward: Any, model: nn.Module) -> list[str]:
+    """The operations of one backward of ``model``'s loss, after three steps."""
+    x = torch.ones(4, 3)
+    for _ in range(3):
+        backward(model(x).sum())
+    loss = model(x).sum()
+    with _Ops() as ops:
+        backward(loss)
+    return ops.seen
+
+
+def test_a_quiet_step_of_one_process_adds_one_operation_to_the_backward() -> None:
+    """--strategy cpu, the default checks: the loss's check is read a step later, on the
+    host, from the loss itself (detached); no tensor is computed for it on the quiet path,
+    whose every operation costs microseconds on a small model's step."""
+    rt = paratrain.Runtime(strategy="cpu")
+    model, _ = _parts(rt)
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 1)
+    own = Counter(_backward_ops(rt.backward, model))
+    own.subtract(Counter(_backward_ops(torch.Tensor.backward, plain)))
+    assert +own == Counter({"aten.detach.default": 1}), own
