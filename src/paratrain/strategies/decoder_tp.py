@@ -6,7 +6,9 @@ A Transformers configuration carries its base model's tensor-parallel plan
 ``RowwiseParallel`` on the layers it names, applied with ``parallelize_module`` on the ``tp``
 mesh dimension before fsdp shards the rest (:mod:`.tensor_parallel`). The embeddings, norms
 and head are not in that plan and stay whole on every process of a group (Transformers' own
-runtime adds the embedding and head to it; paratrain keeps them whole, tied or not).
+runtime adds the embedding and head to it, and newer releases put the embedding's
+``embedding_rowwise`` and the norms' ``replicated_*`` in the plan itself; paratrain keeps them
+whole, tied or not).
 
 The attention of the types checked here (Llama, Mistral, Qwen2) keeps q, k and v apart and
 reshapes their outputs with ``view(*shape, -1, head_dim)``: each process's projections give
@@ -31,6 +33,9 @@ if TYPE_CHECKING:  # torch.distributed.tensor loads torch._dynamo: imported when
 
 #: the plan styles applied (Transformers' names), as torch's styles
 STYLES = ("colwise", "rowwise")
+#: styles newer Transformers give the embedding and norms (``embedding_rowwise``,
+#: ``replicated_with_grad_allreduce``): paratrain keeps those modules whole instead
+KEPT_WHOLE = (nn.Embedding,)
 #: the model types whose attention reads its local head count from the split widths
 CHECKED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -62,12 +67,14 @@ def layer_plan(model: nn.Module) -> dict[str, str]:
     modules = dict(model.named_modules())
     layers: dict[str, str] = {}
     for pattern, style in plan.items():
+        matched = [n for n in modules if _matches(n, base + pattern)]
+        if style not in STYLES and _kept_whole(style, [modules[n] for n in matched]):
+            continue
         if style not in STYLES:
             raise UserError(
                 f"--tp: {name}'s plan splits {pattern} as {style!r}, which paratrain does not "
                 f"apply (it applies {' and '.join(STYLES)}); drop --tp"
             )
-        matched = [n for n in modules if _matches(n, base + pattern)]
         for layer in matched:
             if not isinstance(modules[layer], nn.Linear):
                 raise UserError(
@@ -76,6 +83,14 @@ def layer_plan(model: nn.Module) -> dict[str, str]:
                 )
             layers[layer] = style
     return layers
+
+
+def _kept_whole(style: str, matched: list[nn.Module]) -> bool:
+    """Whether a plan entry splits an embedding (or replicates a module) that paratrain
+    keeps whole on every process of a group anyway."""
+    if style.startswith("replicated"):
+        return True
+    return style.startswith("embedding") and all(isinstance(m, KEPT_WHOLE) for m in matched)
 
 
 def check(model: nn.Module, tp: int, shards: int) -> None:

@@ -109,7 +109,9 @@ class PipelinedModel(nn.Module):
         before = [p.grad for p in self._tied]
         with self._autocast():
             if self.is_first:
-                schedule.step(inputs)
+                # a stage checks its micro-batches' strides against a contiguous batch's
+                # (torch 2.11): a slice such as tokens[:, :-1] is copied first
+                schedule.step(inputs.contiguous())
             elif self.is_last:
                 schedule.step(target=target, losses=losses)
             else:

@@ -101,6 +101,22 @@ def _llama(**sizes: int) -> nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **sizes}))
 
 
+def test_the_embedding_and_norms_of_a_newer_plan_stay_whole() -> None:
+    """Newer Transformers put ``embed_tokens: embedding_rowwise`` and the norms in the plan:
+    the embedding stays whole, as with an older plan; the same layers are split."""
+    model = _llama()
+    older = decoder_tp.layer_plan(model)
+    model.config.base_model_tp_plan = {
+        "embed_tokens": "embedding_rowwise",
+        **model.config.base_model_tp_plan,
+        "norm": "replicated_with_grad_allreduce",
+    }
+    assert decoder_tp.layer_plan(model) == older
+    model.config.base_model_tp_plan = {"layers.*.self_attn.o_proj": "embedding_rowwise"}
+    with pytest.raises(UserError, match="o_proj as 'embedding_rowwise', which paratrain"):
+        decoder_tp.layer_plan(model)
+
+
 def test_a_llama_is_split_by_its_own_plan() -> None:
     """The config's plan by layer: q, k, v and the MLP's gate and up column-wise, the
     attention's output and the MLP's down row-wise; embeddings, norms and head not."""

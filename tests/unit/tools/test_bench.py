@@ -105,9 +105,12 @@ def test_four_devices_add_the_two_dimensional_layouts_of_fsdp_and_pipeline() -> 
     specs = {c.label: run_spec(settings, c) for c in named}
     assert (specs["hsdp 2x2 32 b8"].replicate, specs["fsdp x tp 2x2 32 b8"].tp) == (2, 2)
     default = {c.label: c.skip_reason for c in enumerate_combos(None, ["32"], [8], four)}
-    assert "cannot be faster than ddp" in str(default["hsdp 2x2"])
-    assert "cannot be faster than ddp" in str(default["fsdp x tp 2x2"])
-    assert "the bubble" in str(default["pipeline 2x2"])
+    # left out of the default set: CPU processes on a machine with a GPU for that reason
+    gpu = torch.cuda.is_available()
+    left_out = "a CPU layout on a machine with a GPU" if gpu else "cannot be faster than ddp"
+    assert left_out in str(default["hsdp 2x2"])
+    assert left_out in str(default["fsdp x tp 2x2"])
+    assert (left_out if gpu else "the bubble") in str(default["pipeline 2x2"])
     three = enumerate_combos(["fsdp", "pipeline"], ["32"], [8], "cpu,cpu,cpu")
     assert [(c.replicate, c.tp) for c in three] == [(1, 1), (1, 1)]
     digits = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4, 10))

@@ -190,7 +190,8 @@ def _checkpoint_in_each_process(
     """The training loop's checkpoint: each process's generators and running loss come back
     to that process. Returns draws after the save and after the load, the loss sum, samples
     and step."""
-    cfg = TrainConfig(recipe="linear").resolved(recipes.get_recipe)
+    cfg = TrainConfig(recipe="linear", strategy="ddp", devices="cpu,cpu")
+    cfg = cfg.resolved(recipes.get_recipe)
     layout = ProcessLayout(rt.strategy.collective, rt.strategy.devices, rt.strategy.name)
     run = path.parent / "run"
     parts = TrainingParts(model, optimizer)
