@@ -56,9 +56,6 @@ class Kept:
     loss: torch.Tensor
     earlier: Kept | None = None
 
-    def plus(self, step: int, loss: torch.Tensor) -> Kept:
-        return Kept(step, loss.detach(), self)
-
     def entries(self) -> list[Kept]:
         """Oldest first."""
         found: list[Kept] = []
