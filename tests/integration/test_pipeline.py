@@ -230,3 +230,41 @@ def test_bench_measures_pipeline_and_says_why_not_fp16() -> None:
     assert [(c.precision, c.processes) for c in combos] == [("32", 2), ("fp16", 2)]
     assert combos[0].skip_reason is None
     assert "needs a GradScaler shared by the stages" in str(combos[1].skip_reason)
+
+
+def _batchnorm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(),
+        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def _train_batchnorm(rt: paratrain.Runtime, path: str) -> None:
+    model = _batchnorm_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 4, generator=generator), torch.randint(3, (16,), generator=generator)
+        rt.forward_backward(model, nn.CrossEntropyLoss(), x, y)
+        optimizer.step()
+        optimizer.zero_grad()
+    rt.save_weights(model, path)
+
+
+def test_batchnorm_statistics_and_counts_match_one_process(tmp_path: Path) -> None:
+    """A stage's first step runs it once more to learn its shapes (torch before 2.14, in
+    training mode): BatchNorm's running statistics and ``num_batches_tracked`` count only
+    the batches trained on, as on one process."""
+    paratrain.Runtime(strategy="cpu").launch(_train_batchnorm, str(tmp_path / "one.safetensors"))
+    rt = paratrain.Runtime(
+        strategy="pipeline", devices="cpu,cpu", pipeline_microbatches=1, pipeline_split=["3"]
+    )
+    rt.launch(_train_batchnorm, str(tmp_path / "pipeline.safetensors"))
+    one = load_file(str(tmp_path / "one.safetensors"))
+    piped = load_file(str(tmp_path / "pipeline.safetensors"))
+    assert one.keys() == piped.keys()
+    assert [int(piped[f"{i}.num_batches_tracked"]) for i in (1, 4)] == [3, 3]
+    for key in one:
+        assert torch.allclose(one[key].double(), piped[key].double(), atol=1e-6), key

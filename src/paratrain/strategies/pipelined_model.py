@@ -12,7 +12,8 @@ The stage's modules are this module's own children under the full model's names,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,6 +23,8 @@ from torch import nn
 from paratrain.utils.errors import UserError
 
 SCHEDULES = ("1f1b", "gpipe")
+#: what a PipelineStage of a torch that restores the buffers after its shape run has
+_TORCH_KEEPS_BUFFERS = "_pre_metadata_inference_backup"
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -64,6 +67,7 @@ class PipelinedModel(nn.Module):
         self.autocast_dtype = autocast_dtype
         self._full_shapes = full_shapes
         self._schedules: dict[tuple[int, int], Any] = {}
+        self._stepped: set[Any] = set()  # schedules that took a step (learned their shapes)
         self._loss_fn: LossFn | None = None
         self._weight = 1.0
         #: the whole batch's label count, for a model's own loss (loss_fn None)
@@ -107,7 +111,7 @@ class PipelinedModel(nn.Module):
             self._items, self._weight = self._count_labels(target), scale
         losses: list[torch.Tensor] = []  # the micro-batches' weighted losses
         before = [p.grad for p in self._tied]
-        with self._autocast():
+        with self._autocast(), self._buffers_kept_from_shape_run(schedule):
             if self.is_first:
                 # a stage checks its micro-batches' strides against a contiguous batch's
                 # (torch 2.11): a slice such as tokens[:, :-1] is copied first
@@ -142,6 +146,37 @@ class PipelinedModel(nn.Module):
                 stage, micro, loss_fn=self._weighted_loss, scale_grads=False
             )
         return self._schedules[key]
+
+    @contextlib.contextmanager
+    def _buffers_kept_from_shape_run(self, schedule: Any) -> Iterator[None]:
+        """A new schedule's first step: torch before 2.14 first runs the stage once more, in
+        training mode, to learn the shapes it sends (on zeros or on the batch), and that run
+        counted in BatchNorm's running statistics and ``num_batches_tracked``. The buffers
+        are put back as they were before the first micro-batch's run (torch 2.14 does so
+        itself)."""
+        if schedule in self._stepped or hasattr(schedule_stage_class(), _TORCH_KEEPS_BUFFERS):
+            yield
+            return
+        self._stepped.add(schedule)
+        kept = [(buffer, buffer.detach().clone()) for buffer in self.stage.buffers()]
+        calls = 0
+
+        def put_back(*_: Any) -> None:
+            # before the second run: the first micro-batch's (the shape run's backward,
+            # torch 2.13's, has used the buffers it saved by then)
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                handle.remove()
+                with torch.no_grad():
+                    for buffer, value in kept:
+                        buffer.copy_(value)
+
+        handle = self.stage.register_forward_pre_hook(put_back)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's mean loss weighted by its share of the batch: the micro-batches'
@@ -261,3 +296,10 @@ def _broadcast_output(output: Any, src: int, device: torch.device, group: Any = 
     for tensor in tensors:
         dist.broadcast(tensor, src=src, group=group)
     return tensors[0] if single else tuple(tensors)
+
+
+def schedule_stage_class() -> type:
+    """torch's PipelineStage (imported when used: the module loads torch._dynamo)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage
