@@ -21,10 +21,10 @@ Where the permutation comes from:
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
@@ -45,11 +45,11 @@ from paratrain.utils.errors import UserError
 BATCH_INFO = "_paratrain_batch"
 
 
-@dataclass(frozen=True, eq=False)
-class BatchInfo:
+class BatchInfo(NamedTuple):
     """What the step needs to know of a training batch, carried by the batch itself (an
     attribute of its tensors), so that it holds when the batch is *used*, not when it was
-    handed out: a loop may take batches ahead (prefetch, ``list(loader)``, ``zip``)."""
+    handed out: a loop may take batches ahead (prefetch, ``list(loader)``, ``zip``). A
+    tuple: one is made for every batch, and a tuple is the cheapest immutable record."""
 
     #: this process's loss weight: a mean of the processes' losses is the global mean
     #: even when the last global batch does not split evenly
@@ -85,12 +85,25 @@ def tag_batch(batch: Any, info: BatchInfo) -> Any:
     if isinstance(batch, torch.Tensor):
         setattr(batch, BATCH_INFO, info)
     elif isinstance(batch, (list, tuple)):
-        for item in batch:
-            tag_batch(item, info)
+        for item in batch:  # the common (x, y) batch's tensors without a call each
+            if isinstance(item, torch.Tensor):
+                setattr(item, BATCH_INFO, info)
+            else:
+                tag_batch(item, info)
     elif isinstance(batch, dict):
         for item in batch.values():
             tag_batch(item, info)
     return batch
+
+
+def inputs_info(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BatchInfo | None:
+    """:func:`batch_info` of a forward's inputs; ``model(x)``, the common call, costs one
+    lookup (this runs at every forward)."""
+    if args and isinstance(args[0], torch.Tensor):
+        info: BatchInfo | None = getattr(args[0], BATCH_INFO, None)
+        if info is not None:
+            return info
+    return batch_info(args, kwargs)
 
 
 def batch_info(*values: Any) -> BatchInfo | None:
@@ -206,28 +219,35 @@ class ShardedBatchSampler(Sampler[list[int]]):
         start = self.rank * base + min(self.rank, extra)
         return start, start + base + (1 if self.rank < extra else 0)
 
-    def spans(self) -> Iterator[tuple[int, int]]:
+    def spans(self) -> list[tuple[int, int]]:
         """Where this process's part of each remaining batch lies in :meth:`order`; for
         training, an empty part is the batch's first sample, a stand-in (see the class)."""
+        found: list[tuple[int, int]] = []
+        parts: dict[int, tuple[int, int]] = {}  # a part's place, by batch size (two at most)
         position = 0
         for index, size in enumerate(self.global_batch_sizes()):
             if index >= self.start_batch:
-                start, end = self.local_span(size)
+                if size not in parts:
+                    parts[size] = self.local_span(size)
+                start, end = parts[size]
                 if end > start:
-                    yield position + start, position + end
+                    found.append((position + start, position + end))
                 elif not self.evaluation:
-                    yield position, position + 1
+                    found.append((position, position + 1))
             position += size
+        return found
 
     def __iter__(self) -> Iterator[list[int]]:
         order: list[int] = self.order().tolist()  # plain lists: slicing costs no tensor ops
-        for start, end in self.spans():
+        for start, end in self.spans():  # worked out at once: no call per batch
             yield order[start:end]
         self.end_epoch()
 
     def __len__(self) -> int:
         sizes = self.global_batch_sizes()[self.start_batch :]
-        return sum(1 for size in sizes if not self.evaluation or self.local_size(size) > 0)
+        if not self.evaluation:  # training: every batch, a stand-in where a part is empty
+            return len(sizes)
+        return sum(1 for size in sizes if self.local_size(size) > 0)
 
 
 class DeviceLoader:
@@ -348,8 +368,8 @@ class DeviceLoader:
         sink.restarted(source)
         epoch = self.epoch
         self._position = (epoch, self._start_batch())
-        for batch, weight, last in self._marking_last(sink.accumulate):
-            info = BatchInfo(weight, last, source, stand_in=weight == 0)
+        for (batch, weight), last in self._marking_last(sink.accumulate):
+            info = BatchInfo(weight, last, source, weight == 0)
             sink.handed_out(info)
             self._position = (epoch, self._position[1] + 1)
             beat()
@@ -360,40 +380,44 @@ class DeviceLoader:
     def _batches(self) -> Iterator[Any]:
         """The epoch's batches, once the epoch is chosen (``__iter__`` puts them on the
         device: one pass over each batch's tensors, not two)."""
-        yield from self.loader
+        return iter(self.loader)
 
     def _weighted_batches(self) -> Iterator[tuple[Any, float]]:
-        """The epoch's batches, each with this process's loss weight."""
+        """The epoch's batches, each with this process's loss weight (paired in C: no call
+        of a generator of ours per batch)."""
         weights = self._loss_weights()
-        for index, batch in enumerate(self._batches()):
-            yield batch, 1.0 if weights is None else weights[index]
+        weighted = itertools.repeat(1.0) if weights is None else weights
+        return zip(self._batches(), weighted, strict=False)  # repeat() never ends
 
     def _known_length(self) -> int | None:
         """How many batches the epoch has left, where it is known before its end."""
         return None if isinstance(self.loader.dataset, IterableDataset) else len(self.loader)
 
-    def _marking_last(self, accumulate: int) -> Iterator[tuple[Any, float, bool]]:
+    def _marking_last(self, accumulate: int) -> Iterator[tuple[tuple[Any, float], bool]]:
         """The epoch's batches and weights, each with whether it is the last. Where the
         loader has no length to tell (an ``IterableDataset``'s), its end is seen one batch
         ahead, and only where it matters (``accumulate`` > 1: a group of micro-batches
         unfinished at the end of the epoch is applied there), so that otherwise no batch is
-        read before its turn."""
-        batches = self._weighted_batches()
+        read before its turn. With a length, paired in C: no call of ours per batch."""
         length = self._known_length()
         if length is not None:
-            for index, (batch, weight) in enumerate(batches):
-                yield batch, weight, index == length - 1
-        elif accumulate == 1:
-            for batch, weight in batches:
-                yield batch, weight, False
-        else:
-            held = next(batches, None)
-            for pair in batches:
-                assert held is not None
-                yield *held, False
-                held = pair
-            if held is not None:
-                yield *held, True
+            # (a loader with more batches than its length said: the rest are not the last)
+            last = itertools.repeat(False, length - 1), (True,), itertools.repeat(False)
+            lasts = itertools.chain(*last)
+            return zip(self._weighted_batches(), lasts, strict=False)
+        if accumulate == 1:
+            return zip(self._weighted_batches(), itertools.repeat(False), strict=False)
+        return self._marking_last_seen_ahead()
+
+    def _marking_last_seen_ahead(self) -> Iterator[tuple[tuple[Any, float], bool]]:
+        batches = self._weighted_batches()
+        held = next(batches, None)
+        for pair in batches:
+            assert held is not None
+            yield held, False
+            held = pair
+        if held is not None:
+            yield held, True
 
 
 def shard_loader(

@@ -155,6 +155,8 @@ def waiting() -> contextlib.AbstractContextManager[None]:
     """Around work that waits for the other ranks (a step's backward and collectives): the
     watchdog then blames a rank that is not waiting. Unwatched, a shared do-nothing context:
     it sits in every training step."""
+    if _heart is None and _checked:  # unwatched: nothing to tell
+        return _NOTHING
     beat()
     return _NOTHING if _heart is None else _waiting(_heart)
 

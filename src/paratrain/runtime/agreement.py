@@ -199,17 +199,28 @@ class HostCopy:
         return values if isinstance(values, list) else [values]
 
 
-@dataclass(frozen=True)
+def _host_values(copy: HostCopy | torch.Tensor) -> list[float]:
+    """What was sent, on the host (a tensor of the CPU is read as it is)."""
+    if isinstance(copy, HostCopy):
+        return copy.values()
+    values = copy.tolist()  # a 0-d tensor gives a number
+    return values if isinstance(values, list) else [values]
+
+
+@dataclass(slots=True)
 class _Sent:
-    """An agreement sent and not read yet."""
+    """An agreement sent and not read yet (not changed once made: one is made at every
+    step, and a ``frozen`` record costs five times more to make)."""
 
     step: int
-    here: str
     rank: int
     world_size: int
-    copy: HostCopy
-    #: what the verdict is handed to once read (the non-finite policy's judgement)
-    on_read: Callable[[Verdict], None]
+    #: the all-reduce's values on their way to the host; one process off CUDA: its kept
+    #: losses themselves, read as they are
+    copy: HostCopy | torch.Tensor
+    #: what is told whether some process saw a non-finite loss, once read (the non-finite
+    #: policy's judgement)
+    on_read: Callable[[bool], object]
 
 
 class StepAgreement:
@@ -271,37 +282,41 @@ class StepAgreement:
         self,
         collective: Collective,
         step: int,
-        here: str,
         bad: torch.Tensor,
-        on_read: Callable[[Verdict], None],
+        on_read: Callable[[bool], object],
     ) -> None:
-        """The all-reduce of :meth:`exchange` (none for one process), read later: ``on_read``
-        gets the verdict when :meth:`settle` reads it. ``bad``: this process's non-finite
-        flag on its device; for one process, the losses themselves (read on the host, where
-        a non-finite one is bad: no operation on the device)."""
-        self.settle(collective)  # the previous step's, whose all-reduce ended long ago
+        """The all-reduce of :meth:`exchange` at training step ``step`` (none for one
+        process), read later: ``on_read`` is told whether some process saw a non-finite loss
+        when :meth:`settle` reads it. ``bad``: this process's non-finite flag on its device;
+        for one process, the losses themselves (read on the host, where a non-finite one is
+        bad: no operation on the device)."""
+        if self._sent:
+            self.settle(collective)  # the previous step's, whose all-reduce ended long ago
         self.begun += 1
-        self.agreed_through = max(self.agreed_through, step)
+        if step > self.agreed_through:
+            self.agreed_through = step
+        copy: HostCopy | torch.Tensor
         if collective.world_size == 1:
-            message = Reduction(bad)
+            # nothing to reduce; on CUDA copied to the host behind an event, else read as is
+            copy = HostCopy(Reduction(bad)) if bad.is_cuda else bad
         else:
             signum, minus_at = preemption.local_values()
             pace = self._pace(collective.rank, step)
             proposal = Proposal(step, signum=signum, minus_at=minus_at, pace=pace)
-            message = collective.start_all_reduce(proposal.encode(bad, None), "max")
-        copy = HostCopy(message)
-        self._sent.append(_Sent(step, here, collective.rank, collective.world_size, copy, on_read))
+            copy = HostCopy(collective.start_all_reduce(proposal.encode(bad, None), "max"))
+        self._sent.append(_Sent(step, collective.rank, collective.world_size, copy, on_read))
 
     def settle(self, collective: Collective, newest: bool = True) -> None:
         """Read what was sent: everything, or all but the newest (``newest=False``)."""
-        while self._sent and (newest or len(self._sent) > 1):
-            sent = self._sent.popleft()
-            values = sent.copy.values()
+        sent_so_far = self._sent
+        while sent_so_far and (newest or len(sent_so_far) > 1):
+            sent = sent_so_far.popleft()
+            values = _host_values(sent.copy)
             if sent.world_size == 1:
-                bad = not all(math.isfinite(value) for value in values)
-                sent.on_read(Verdict(bad=bad, stop=preemption.requested()))
+                sent.on_read(not all(map(math.isfinite, values)))
                 continue
-            sent.on_read(self._told(Told.decode(values), sent.step, sent.here, sent.rank))
+            here = f"at training step {sent.step}"
+            sent.on_read(self._told(Told.decode(values), sent.step, here, sent.rank).bad)
 
     def exchange(
         self,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from paratrain.data.loaders import BatchInfo, DeviceLoader, batch_info
+from paratrain.data.loaders import BatchInfo, DeviceLoader, inputs_info
 from paratrain.data.paths import setup_data_path
 from paratrain.data.pipeline_loader import PipelineLoader
 from paratrain.data.placement import check_inputs_on
@@ -263,7 +263,7 @@ def step_forward(
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # a training forward: evaluation begins nothing
-            step.begin(batch_info(args, kwargs))
+            step.begin(inputs_info(args, kwargs))
         try:
             if autocast is None:
                 return forward(*args, **kwargs)

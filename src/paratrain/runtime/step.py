@@ -26,6 +26,7 @@ redone in halves. No path can skip a stage, so a check added to one is on all of
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -130,15 +131,19 @@ class TrainingStep:
             )
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
+        if strategy.collective.world_size == 1:  # no collective to number
+            self._after_forward(loss)
+            return
         with strategy.collective.operation("rt.backward"):  # the gradient all-reduce
             self._after_forward(loss)
 
     def _after_forward(self, loss: torch.Tensor) -> None:
         """Stages 3 to 6 of a micro-batch whose loss is given."""
         state = self.rt.state
-        self.begin(None)  # no forward seen (a loss made without the model): the oldest batch
+        if not state.begun:  # no forward seen (a loss made without the model): the oldest batch
+            self.begin(None)
         step = state.step + 1
-        loss = self._fault(loss, step)
+        loss = faults.at_step(self.rt.strategy.collective.rank, step, loss)
         with heartbeat.waiting():  # the step's collectives: waits on the other ranks
             if self._quiet:
                 admitted = self._send(loss, step)
@@ -148,8 +153,9 @@ class TrainingStep:
                 verdict = Verdict() if look.bad is None else self._agree(step, look.bad)
                 admitted = self._settle(look, verdict)
             if admitted:
+                scale = state.loss_scale
                 try:
-                    self._backward(loss * state.loss_scale if state.loss_scale != 1.0 else loss)
+                    self._backward(loss * scale if scale != 1.0 else loss)
                 except torch.OutOfMemoryError as exc:
                     if not self.rt.micro_batches.active:
                         raise
@@ -159,7 +165,7 @@ class TrainingStep:
                         "inside rt.forward_backward(model, loss_fn, x, y); use it instead of "
                         "rt.backward(loss)"
                     ) from exc
-        self._done()
+        state.micro_batch_done()  # stage 6 (a skipped micro-batch too: on every rank alike)
 
     # -- stages 3 to 6 -----------------------------------------------------------------------
     @property
@@ -177,20 +183,24 @@ class TrainingStep:
     def _send(self, loss: torch.Tensor, step: int) -> bool:
         """Stages 3 and 4 on the quiet path: the agreement is sent, not waited for."""
         rt = self.rt
-        collective, nonfinite = rt.strategy.collective, rt.nonfinite
-        # the previous micro-batch's agreement, started a forward ago (a micro-batch inside
-        # an accumulation group sends none: it is read here, not a group later)
-        rt.state.agreement.settle(collective)
-        agrees = rt.state.ends_group and self._due(step)
+        state, collective, nonfinite = rt.state, rt.strategy.collective, rt.nonfinite
+        agreement = state.agreement
+        if agreement.waiting:
+            # the previous micro-batch's agreement, started a forward ago (a micro-batch
+            # inside an accumulation group sends none: it is read here, not a group later)
+            agreement.settle(collective)
+        # one process on the CPU: nothing to wait for, so each micro-batch is judged at once
+        at_once = collective.world_size == 1 and loss.is_cpu
+        agrees = at_once or (state.ends_group and (collective.world_size == 1 or self._due(step)))
         look = nonfinite.look(loss, collective, step, agrees, deferred=True)
         nonfinite.sent(look)
-        rt.state.skipped = False
+        state.skipped = False
         if look.bad is not None:
-
-            def judge(verdict: Verdict) -> None:
-                nonfinite.judge(look, collective, verdict.bad)
-
-            rt.state.agreement.send(collective, step, f"at training step {step}", look.bad, judge)
+            agreement.send(
+                collective, step, look.bad, functools.partial(nonfinite.judge, look, collective)
+            )
+            if at_once:  # a non-finite loss (the only one sent) raises here, before its backward
+                agreement.settle(collective)
         return True
 
     def _due(self, step: int) -> bool:
@@ -224,10 +234,6 @@ class TrainingStep:
         rt = self.rt
         ends = rt.state.ends_group if ends_step is None else ends_step
         return rt.nonfinite.look(loss, rt.strategy.collective, step, ends, rt.state.local_only)
-
-    def _fault(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Where an injected fault replaces the loss (:mod:`paratrain.launching.faults`)."""
-        return faults.at_step(self.rt.strategy.collective.rank, step, loss)
 
     def _agree(
         self,
@@ -263,9 +269,6 @@ class TrainingStep:
         backward(loss)
         rt.speed.after_backward()  # --compile: the first step's gradients checked against eager
 
-    def _done(self) -> None:
-        self.rt.state.micro_batch_done()  # a skipped micro-batch too: on every rank alike
-
     # -- the pipeline's schedule: forward and backward together ------------------------------
     def _pipeline_step(
         self,
@@ -281,7 +284,7 @@ class TrainingStep:
             part = strategy.train_step(model, inputs, target, loss_fn, state.loss_scale)
             # the last stage has the loss; another judges its own part, nothing but a fault
             mine = part if part is not None else torch.zeros((), device=strategy.root_device)
-            mine = self._fault(mine, step)
+            mine = faults.at_step(strategy.collective.rank, step, mine)
             look = self._look(mine, step)
             # the step's one small all-reduce brings the loss to every process as well
             bad = look.bad if look.bad is not None else ~torch.isfinite(mine)
@@ -291,7 +294,7 @@ class TrainingStep:
             # the gradients are there already: a skipped micro-batch's are dropped
             if not self._settle(look, verdict):
                 model.zero_grad(set_to_none=True)
-        self._done()
+        state.micro_batch_done()
         return loss
 
     # -- --oom auto: a retry around stages 2 to 5 --------------------------------------------
@@ -324,7 +327,7 @@ class TrainingStep:
                 loss, failed = self._piece_forward(model, loss_fn, inputs, target, cut_at, step)
                 look = None
                 if loss is not None:
-                    loss = self._fault(loss, step)
+                    loss = faults.at_step(collective.rank, step, loss)
                     look = self._look(loss, step, ends_step and last)
                 # one all-reduce: out of memory anywhere, a non-finite loss, a stop
                 with heartbeat.waiting():  # waits on the other processes: not a hang here
@@ -357,7 +360,7 @@ class TrainingStep:
             assert loss is not None
             total += loss.detach().float() * share
             index += 1
-        self._done()
+        state.micro_batch_done()
         return total
 
     def _piece_forward(

@@ -58,7 +58,8 @@ class StepState:
         self.agreement.seconds = agreement_seconds
         #: inside ``rt.join``: a rank that ran out of data takes no part in agreements
         self.local_only = False
-        self._begun = False
+        #: whether the micro-batch in hand began (its first forward, or its backward)
+        self.begun = False
         self._handed: deque[BatchInfo] = deque(maxlen=_REMEMBERED)
         #: what settles the step's agreements (the step pipeline's settle), for epoch_done
         self.on_epoch_done: Callable[[], None] | None = None
@@ -81,22 +82,21 @@ class StepState:
             self._handed = deque(kept, maxlen=_REMEMBERED)
 
     # -- the micro-batch ---------------------------------------------------------------------
-    @property
-    def begun(self) -> bool:
-        return self._begun
-
     def begin(self, info: BatchInfo | None) -> bool:
         """The micro-batch's first forward (or backward); ``info``: what its inputs carry.
         True when this call began it (later forwards of the same micro-batch change
         nothing)."""
-        if self._begun:
+        if self.begun:
             return False
+        handed = self._handed
         if info is None:
-            info = self._handed.popleft() if self._handed else PLAIN_BATCH
+            info = handed.popleft() if handed else PLAIN_BATCH
+        elif handed and handed[0] is info:  # the batch handed out first: the plain loop's
+            handed.popleft()
         else:
             self._forget(info)
         self.batch = info
-        self._begun = True
+        self.begun = True
         return True
 
     def _forget(self, info: BatchInfo) -> None:
@@ -119,7 +119,7 @@ class StepState:
     def micro_batch_done(self) -> None:
         """After the micro-batch's backward (a skipped one too: on every rank alike)."""
         ends = self.ends_group
-        self._begun = False
+        self.begun = False
         self.batch = PLAIN_BATCH
         self._admitted = self._admitted or not self.skipped
         self.unapplied += 1

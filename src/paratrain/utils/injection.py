@@ -107,7 +107,8 @@ def injected(point: str, handler: Handler) -> Iterator[None]:
 
 
 def at_step(rank: int, step: int, loss: Any) -> Any:
-    handler = handlers().get("at_step")
+    # at every micro-batch: the loaded handlers without a call, once they are
+    handler = (handlers() if _handlers is None else _handlers).get("at_step")
     return loss if handler is None else handler(rank, step, loss)
 
 

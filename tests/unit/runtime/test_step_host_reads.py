@@ -9,7 +9,8 @@ on and ``rt.should_stop()`` after every step.
 
 Devices: ``--strategy cpu`` in this process; ``ddp`` on ``cpu,cpu`` (two gloo processes).
 On CUDA the same count holds, and the read of the host copy waits only for a step the
-device finished long ago.
+device finished long ago. (One process on the CPU reads its loss at once with ``tolist``,
+which is no aten call: there is no device to wait for.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""The runtime's per-step path in one process (``--strategy cpu``): the finite-loss check,
-read one step late on the quiet path, keeps every guarantee of the non-finite policies: a
-NaN stops the run by the next step, or at the first checkpoint, final weights or collective
-before it, naming its own step."""
+"""The runtime's per-step path in one process (``--strategy cpu``): the finite-loss check
+reads a loss of the CPU at once (there is no device to wait for) and costs no tensor
+operation; a NaN stops the run at its own step, before its backward, naming it. Off the CPU
+(and with several processes) the check is read a step late, and a NaN is acted on before any
+checkpoint, final weights or collective: ``ddp`` on ``cpu,cpu`` shows that path here."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,40 +35,57 @@ def _parts(rt: paratrain.Runtime) -> tuple[nn.Module, torch.optim.Optimizer]:
     return rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[no-any-return]
 
 
-def test_a_nan_loss_stops_a_one_process_run_by_the_next_step_naming_its_own() -> None:
+def test_a_nan_loss_stops_a_one_process_cpu_run_at_its_own_step_before_its_backward() -> None:
     rt = paratrain.Runtime(strategy="cpu")
     model, optimizer = _parts(rt)
     _step(rt, model, optimizer, bad=False)
-    _step(rt, model, optimizer, bad=True)  # sent, read at the next step's check
+    after_one = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(NonFiniteLossError, match="at step 2"):
-        _step(rt, model, optimizer, bad=False)
+        _step(rt, model, optimizer, bad=True)
+    assert all(p.grad is None for p in model.parameters())  # its backward never ran
+    assert all(torch.equal(a, b) for a, b in zip(after_one, model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("before", ["save", "save_weights", "settle", "all_reduce"])
-def test_a_nan_loss_is_read_before_anything_is_written(tmp_path: Path, before: str) -> None:
-    """rt.save, rt.save_weights, rt.settle and the runtime's collectives read the last
-    step's check first: nothing is written from a step with a NaN loss."""
-    rt = paratrain.Runtime(strategy="cpu")
-    model, optimizer = _parts(rt)
-    _step(rt, model, optimizer, bad=True)
-    calls = {
-        "save": lambda: rt.save(tmp_path / "state.pt", {"model": model}),
-        "save_weights": lambda: rt.save_weights(model, tmp_path / "model.safetensors"),
-        "settle": rt.settle,
-        "all_reduce": lambda: rt.all_reduce(torch.ones(1)),
-    }
-    with pytest.raises(NonFiniteLossError, match="at step 1"):
-        calls[before]()
-    assert not list(tmp_path.iterdir())
-
-
-def test_a_nan_micro_batch_is_found_at_the_end_of_its_step() -> None:
+def test_a_nan_micro_batch_is_found_at_once_naming_its_step() -> None:
     rt = paratrain.Runtime(strategy="cpu", accumulate=2)
     model, optimizer = _parts(rt)
-    _step(rt, model, optimizer, bad=True)  # deferred: no check inside the group
-    _step(rt, model, optimizer, bad=False)  # the group's check, sent
     with pytest.raises(NonFiniteLossError, match="at step 1"):
-        _step(rt, model, optimizer, bad=False)
+        _step(rt, model, optimizer, bad=True)  # the first micro-batch of step 1
+
+
+def _nan_read_before_writing(rt: paratrain.Runtime, folder: str) -> dict[str, str]:
+    """In each ddp process: a NaN on rank 1, sent and not read yet, then each of the calls
+    that write or communicate: it is read there, before anything is written."""
+    out = Path(folder)
+    found = {}
+    for name in ("save", "save_weights", "settle", "all_reduce"):
+        model, optimizer = _parts(rt)  # its own model: the NaN before is in the last one's
+        calls = {
+            "save": functools.partial(rt.save, out / "state.pt", {"model": model}),
+            "save_weights": functools.partial(rt.save_weights, model, out / "model.safetensors"),
+            "settle": rt.settle,
+            "all_reduce": functools.partial(rt.all_reduce, torch.ones(1)),
+        }
+        _step(rt, model, optimizer, bad=rt.rank == 1)  # sent: read at the next agreement
+        try:
+            calls[name]()
+            found[name] = "no error"
+        except NonFiniteLossError as exc:
+            found[name] = str(exc)
+    return found
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_read_before_anything_is_written(tmp_path: Path) -> None:
+    """ddp on cpu,cpu, the agreement read late (agreement_seconds=1000): rt.save,
+    rt.save_weights, rt.settle and the runtime's collectives read the last step's check
+    first; nothing is written from a step with a NaN loss."""
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", agreement_seconds=1000)
+    found = rt.launch(_nan_read_before_writing, str(tmp_path))
+    assert found is not None
+    for step, name in enumerate(["save", "save_weights", "settle", "all_reduce"], start=1):
+        assert f"NaN or infinite on rank 1 at step {step};" in found[name], (name, found)
+    assert not list(tmp_path.iterdir())
 
 
 def test_skip_skips_the_nan_step_and_trains_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,14 +124,14 @@ def _backward_ops(backward: Any, model: nn.Module) -> list[str]:
     return ops.seen
 
 
-def test_a_quiet_step_of_one_process_adds_one_operation_to_the_backward() -> None:
-    """--strategy cpu, the default checks: the loss's check is read a step later, on the
-    host, from the loss itself (detached); no tensor is computed for it on the quiet path,
-    whose every operation costs microseconds on a small model's step."""
+def test_a_quiet_step_of_one_process_adds_no_operation_to_the_backward() -> None:
+    """--strategy cpu, the default checks: the loss's check reads the loss on the host (no
+    device to wait for); no tensor is made or computed for it, whose every operation costs
+    microseconds on a small model's step."""
     rt = paratrain.Runtime(strategy="cpu")
     model, _ = _parts(rt)
     torch.manual_seed(0)
     plain = nn.Linear(3, 1)
     own = Counter(_backward_ops(rt.backward, model))
     own.subtract(Counter(_backward_ops(torch.Tensor.backward, plain)))
-    assert +own == Counter({"aten.detach.default": 1}), own
+    assert +own == Counter(), own
