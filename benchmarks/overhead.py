@@ -7,9 +7,13 @@ Lightning Fabric when installed), same model and data on the CPU, interleaved ro
     python benchmarks/overhead.py --collective-check   # ddp on cpu,cpu: the order check's cost
     python benchmarks/overhead.py --ddp-step           # ddp on cpu,cpu: a step vs plain DDP
 
-Prints one line per contender: median step time, spread, and the ratio to plain PyTorch
-(wall clock; with one thread also by this process's CPU time, which a busy machine's waits
-for a core do not inflate).
+Prints one line per contender: median step time, spread, and the ratio to plain PyTorch:
+the median of the rounds' ratios (a round runs every contender once, within a second, so a
+machine that slows down for a while slows both sides of a ratio alike; the ratio of the
+medians follows in brackets), by wall clock and, with one thread, by this process's CPU time,
+which a busy machine's waits for a core do not inflate. Where even that is too noisy,
+``benchmarks/overhead_instructions.py`` counts the instructions of the same steps, which
+no other work on the machine changes.
 ``paratrain`` sets the loader up with the default data path (``auto``: on the CPU, batches
 cut out of the TensorDataset by index); ``paratrain-loader`` keeps the DataLoader's
 per-sample path, which shows the runtime's own cost. ``--collective-check`` instead trains
@@ -46,6 +50,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from paratrain.devices.machine import cpu_name
 
 EpochFn = Callable[[], int]  # runs one epoch, returns the number of steps
+#: what a contender trains with: its batches, model, optimizer and backward
+Parts = tuple[Iterable[Any], nn.Module, Any, Callable[[torch.Tensor], None]]
 
 
 def make_parts(
@@ -62,70 +68,87 @@ def make_parts(
     return model, optimizer, loader
 
 
+def train_step(model: nn.Module, optimizer: Any, backward: Callable[[torch.Tensor], None]) -> Any:
+    """One step of the loop every contender runs; only how its parts were prepared differs."""
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        backward(loss)
+        optimizer.step()
+
+    return step
+
+
 def epoch_fn(
     loader: Iterable[Any],
     model: nn.Module,
     optimizer: Any,
     backward: Callable[[torch.Tensor], None],
 ) -> EpochFn:
-    """The same loop for every contender; only how the parts were prepared differs."""
-    loss_fn = nn.CrossEntropyLoss()
+    """The same loop for every contender: an epoch of :func:`train_step`."""
+    step = train_step(model, optimizer, backward)
 
     def epoch() -> int:
         n = 0
         for x, y in loader:
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            backward(loss)
-            optimizer.step()
+            step(x, y)
             n += 1
         return n
 
     return epoch
 
 
-def plain_pytorch(batch: int, steps: int) -> EpochFn:
+def plain_pytorch(batch: int, steps: int) -> Parts:
     model, optimizer, loader = make_parts(batch, steps)
-    return epoch_fn(loader, model, optimizer, torch.Tensor.backward)
+    return loader, model, optimizer, torch.Tensor.backward
 
 
-def paratrain_runtime(batch: int, steps: int, data_path: str = "auto") -> EpochFn:
+def paratrain_runtime(batch: int, steps: int, data_path: str = "auto") -> Parts:
     import paratrain
 
     # the count main() set, for every contender alike (the runtime would choose its own)
     rt = paratrain.Runtime(strategy="cpu", threads=torch.get_num_threads())
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = rt.setup(model, optimizer)
-    device_loader = rt.setup_loader(loader, data_path=data_path)
-    return epoch_fn(device_loader, model, optimizer, rt.backward)
+    return rt.setup_loader(loader, data_path=data_path), model, optimizer, rt.backward
 
 
-def accelerate_loop(batch: int, steps: int) -> EpochFn:
+def accelerate_loop(batch: int, steps: int) -> Parts:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    return epoch_fn(loader, model, optimizer, accelerator.backward)
+    return loader, model, optimizer, accelerator.backward
 
 
-def fabric_loop(batch: int, steps: int) -> EpochFn:
+def fabric_loop(batch: int, steps: int) -> Parts:
     from lightning_fabric import Fabric
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model, optimizer, loader = make_parts(batch, steps)
     model, optimizer = fabric.setup(model, optimizer)
-    loader = fabric.setup_dataloaders(loader)
-    return epoch_fn(loader, model, optimizer, fabric.backward)
+    return fabric.setup_dataloaders(loader), model, optimizer, fabric.backward
 
 
-CONTENDERS: dict[str, tuple[Callable[[int, int], EpochFn], str | None]] = {
+CONTENDERS: dict[str, tuple[Callable[[int, int], Parts], str | None]] = {
     "pytorch": (plain_pytorch, None),
     "paratrain": (paratrain_runtime, None),
     "paratrain-loader": (functools.partial(paratrain_runtime, data_path="loader"), None),
     "accelerate": (accelerate_loop, "accelerate"),
     "fabric": (fabric_loop, "lightning_fabric"),
 }
+
+
+def installed(name: str) -> bool:
+    """Whether a contender's package is installed (else it is skipped, said in one line)."""
+    module = CONTENDERS[name][1]
+    if module is None or importlib.util.find_spec(module) is not None:
+        return True
+    print(f"{name:>16}: skipped ({module} is not installed: pip install 'paratrain[peers]')")
+    return False
 
 
 def _check_rounds(rt: Any, batch: int, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
@@ -314,14 +337,11 @@ def main() -> None:
         ddp_step(args)
         return
 
-    epochs: dict[str, EpochFn] = {}
-    for name, (build, module) in CONTENDERS.items():
-        if module is not None and importlib.util.find_spec(module) is None:
-            print(
-                f"{name:>16}: skipped ({module} is not installed: pip install 'paratrain[peers]')"
-            )
-            continue
-        epochs[name] = build(args.batch, args.steps)
+    epochs = {
+        name: epoch_fn(*build(args.batch, args.steps))
+        for name, (build, _) in CONTENDERS.items()
+        if installed(name)
+    }
     times: dict[str, list[float]] = {name: [] for name in epochs}
     # this process's CPU time too: on a busy machine the time spent waiting for a core is
     # not the contender's, and wall-clock ratios then drift by several percent
@@ -337,22 +357,32 @@ def main() -> None:
             if round_index >= args.warmup:
                 times[name].append(elapsed / steps)
                 cpu_times[name].append(elapsed_cpu / steps)
-
     print(
         f"# {cpu_name()}, {torch.get_num_threads()} thread(s), "
         f"torch {torch.__version__}, batch {args.batch}, {args.steps} steps x {args.rounds} rounds"
     )
-    base = statistics.median(times["pytorch"])
-    cpu_base = statistics.median(cpu_times["pytorch"]) if args.threads == 1 else None
+    print_ratios(times, cpu_times if args.threads == 1 else None)
+
+
+def paired_ratio(samples: list[float], base: list[float]) -> float:
+    """The median of each round's ratio: a round's contenders run within a second of each
+    other, so a machine that slows down for a while slows both sides of each ratio."""
+    return statistics.median(mine / theirs for mine, theirs in zip(samples, base, strict=True))
+
+
+def print_ratios(times: dict[str, list[float]], cpu_times: dict[str, list[float]] | None) -> None:
+    """One line per contender: the median step, and its ratio to plain PyTorch's, round by
+    round (and by CPU time: with one thread the step's own work)."""
+    base = times["pytorch"]
     for name, samples in times.items():
-        median = statistics.median(samples)
         cpu = ""
-        if cpu_base:  # one thread: CPU time is the step's own work
-            cpu = f", CPU time ratio {statistics.median(cpu_times[name]) / cpu_base:.3f}"
+        if cpu_times is not None:
+            cpu = f", CPU time {paired_ratio(cpu_times[name], cpu_times['pytorch']):.3f}"
         print(
-            f"{name:>16}: median step {median * 1e6:8.1f} us "
+            f"{name:>16}: median step {statistics.median(samples) * 1e6:8.1f} us "
             f"(min {min(samples) * 1e6:.1f}, max {max(samples) * 1e6:.1f}), "
-            f"ratio {median / base:.3f}{cpu}"
+            f"ratio {paired_ratio(samples, base):.3f}{cpu} "
+            f"(of the medians {statistics.median(samples) / statistics.median(base):.3f})"
         )
 
 
