@@ -292,12 +292,14 @@ def ddp_step(args: argparse.Namespace) -> None:
         f"width {args.width}, --oom {args.oom}, agreement_seconds {args.agreement_seconds}, "
         f"{args.steps} steps x {args.rounds} rounds"
     )
-    base = statistics.median(times["plain DDP"])
+    base = times["plain DDP"]
     for name, samples in times.items():
         median = statistics.median(samples)
         print(
             f"{name:>16}: median step {median * 1e6:8.1f} us (min {min(samples) * 1e6:.1f}), "
-            f"ratio {median / base:.3f}, small all-reduces per step {small[name][0]:g}"
+            f"ratio {paired_ratio(samples, base):.3f} (of the medians "
+            f"{median / statistics.median(base):.3f}), small all-reduces per step "
+            f"{small[name][0]:g}"
         )
 
 
