@@ -401,9 +401,10 @@ class DeviceLoader:
         read before its turn. With a length, paired in C: no call of ours per batch."""
         length = self._known_length()
         if length is not None:
-            # (a loader with more batches than its length said: the rest are not the last)
-            last = itertools.repeat(False, length - 1), (True,), itertools.repeat(False)
-            lasts = itertools.chain(*last)
+            # batch length-1 is the last (a loader with more batches than its length said:
+            # the rest are not)
+            before, after = itertools.repeat(False, length - 1), itertools.repeat(False)
+            lasts = itertools.chain(before, (True,), after)
             return zip(self._weighted_batches(), lasts, strict=False)
         if accumulate == 1:
             return zip(self._weighted_batches(), itertools.repeat(False), strict=False)

@@ -195,16 +195,18 @@ class HostCopy:
         elif self._event is not None:
             self._event.synchronize()
         assert self._host is not None
-        values = self._host.tolist()  # a 0-d tensor gives a number
-        return values if isinstance(values, list) else [values]
+        return _listed(self._host)
+
+
+def _listed(tensor: torch.Tensor) -> list[float]:
+    """A tensor's values on the host, as a list (a 0-d tensor's ``tolist`` gives a number)."""
+    values = tensor.tolist()
+    return values if isinstance(values, list) else [values]
 
 
 def _host_values(copy: HostCopy | torch.Tensor) -> list[float]:
     """What was sent, on the host (a tensor of the CPU is read as it is)."""
-    if isinstance(copy, HostCopy):
-        return copy.values()
-    values = copy.tolist()  # a 0-d tensor gives a number
-    return values if isinstance(values, list) else [values]
+    return copy.values() if isinstance(copy, HostCopy) else _listed(copy)
 
 
 @dataclass(slots=True)

@@ -131,9 +131,6 @@ class TrainingStep:
             )
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
-        if strategy.collective.world_size == 1:  # no collective to number
-            self._after_forward(loss)
-            return
         with strategy.collective.operation("rt.backward"):  # the gradient all-reduce
             self._after_forward(loss)
 
@@ -191,7 +188,7 @@ class TrainingStep:
             agreement.settle(collective)
         # one process on the CPU: nothing to wait for, so each micro-batch is judged at once
         at_once = collective.world_size == 1 and loss.is_cpu
-        agrees = at_once or (state.ends_group and (collective.world_size == 1 or self._due(step)))
+        agrees = at_once or (state.ends_group and self._due(step))
         look = nonfinite.look(loss, collective, step, agrees, deferred=True)
         nonfinite.sent(look)
         state.skipped = False
