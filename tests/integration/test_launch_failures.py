@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import CLI
 from helpers.cli import start_paratrain
-from helpers.processes import parent_of, rank_processes
+from helpers.processes import listening, parent_of, rank_processes
 
 import paratrain
 from paratrain.cli.main import main
@@ -99,6 +99,21 @@ def test_launch_needs_a_picklable_function() -> None:
 
 
 # -- failures inside the processes ---------------------------------------------------------
+
+
+def _rendezvous_seen(rt: paratrain.Runtime, launcher: int) -> tuple[int, list[tuple[str, int]]]:
+    rt.barrier()  # joined
+    return int(os.environ["MASTER_PORT"]), listening([launcher])
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc")
+def test_the_launcher_holds_the_rendezvous_port_from_before_the_processes_start() -> None:
+    """No port is picked free, closed, and bound later by rank 0: another run could take it
+    in between (seen: EADDRINUSE in a busy test suite), and its processes meet this one's.
+    The launcher listens on it before any process starts, and every rank connects."""
+    rt = paratrain.Runtime(strategy="ddp", devices="cpu,cpu", seed=0)
+    port, listeners = rt.launch(_rendezvous_seen, os.getpid())
+    assert ("127.0.0.1", port) in listeners
 
 
 def _raise_on_rank_one(rt: paratrain.Runtime) -> None:

@@ -7,9 +7,12 @@ Three ways, all PyTorch's own machinery:
   runs here;
 * several processes and none started yet: ``torch.multiprocessing`` starts them (forked
   from a server that imported torch once, :mod:`paratrain.launching.rank_start`) with
-  ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and ``MASTER_ADDR=127.0.0.1``
-  / ``MASTER_PORT`` set to a free port; each builds its own runtime with the picklable
-  ``rebuild`` it is given (``Runtime.from_config`` bound to the run's configuration);
+  ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, and ``MASTER_ADDR=127.0.0.1`` / ``MASTER_PORT``
+  naming a store the launcher keeps, as torchrun's agent does (its port chosen by the OS
+  as it listens: a port picked free, closed, then bound by rank 0 could be taken between
+  the two, by another run whose processes then met this one's); each builds its own
+  runtime with the picklable ``rebuild`` it is given (``Runtime.from_config`` bound to the
+  run's configuration);
 * ``paratrain run SCRIPT`` and ``paratrain train --nnodes/--max-restarts``:
   ``torch.distributed.run`` (torchrun's agent), see :mod:`paratrain.launching.agent`.
 
@@ -17,7 +20,7 @@ If a spawned process raises or is killed, the others are stopped (SIGTERM, then 
 and :class:`~paratrain.utils.errors.LaunchError` names the rank and its traceback or signal. A rank
 that stops making progress is found by the hang watchdog (:mod:`paratrain.launching.watchdog`). A
 spawned process dies with the launcher, however the launcher ends
-(:mod:`paratrain.launching.parent_death`), and rank 0's store listens on loopback only
+(:mod:`paratrain.launching.parent_death`), and the launcher's store listens on loopback only
 (:mod:`paratrain.distributed.loopback`).
 """
 
@@ -27,13 +30,15 @@ import contextlib
 import os
 import pickle
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from paratrain.distributed import loopback
 from paratrain.launching import heartbeat, preemption
 from paratrain.launching.launcher import (
     Launcher,
@@ -105,7 +110,8 @@ def launch(
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on now (the OS picks it), for the rendezvous."""
+    """A TCP port nobody listens on now (the OS picks it). Closed again before it is
+    returned: another process may take it before the caller binds it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -149,14 +155,15 @@ class SpawnLauncher(Launcher):
             "WORLD_SIZE": str(self.nprocs),
             "LOCAL_WORLD_SIZE": str(self.nprocs),
             "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": loopback.LOOPBACK,
             "MASTER_PORT": str(port),
+            # the store is the launcher's: every rank connects to it (torch's own meaning)
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
 
     def start(self, *args: Any) -> Any:
         rebuild, fn, fn_args = args
-        with self.folder("paratrain-launch-") as tmp:
-            port = free_port()
+        with self.folder("paratrain-launch-") as tmp, _store() as port:
             here, method = dict(os.environ), start_method()  # what a spawned process gets
             handed = [
                 Inheritance({**here, **self.rank_environment(rank, port)}, method)
@@ -225,6 +232,18 @@ class SpawnLauncher(Launcher):
             return LaunchError(f"{who} {cause}; the other processes were stopped")
         trace = exc.msg.split("terminated with the following error:\n", 1)[-1].rstrip()
         return LaunchError(f"{who} failed; the other processes were stopped:\n{trace}")
+
+
+@contextlib.contextmanager
+def _store() -> Iterator[int]:
+    """A store for the processes' rendezvous, kept by the launcher while they run, on a
+    loopback port the OS chose as it began listening; its port."""
+    # the processes' own operations wait as long as they choose; this one makes none
+    server = loopback.store_server(loopback.LOOPBACK, 0, timedelta(minutes=5))
+    try:
+        yield int(server.port)
+    finally:
+        del server
 
 
 def _worker(
