@@ -96,16 +96,6 @@ def tag_batch(batch: Any, info: BatchInfo) -> Any:
     return batch
 
 
-def inputs_info(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BatchInfo | None:
-    """:func:`batch_info` of a forward's inputs; ``model(x)``, the common call, costs one
-    lookup (this runs at every forward)."""
-    if args and isinstance(args[0], torch.Tensor):
-        info: BatchInfo | None = getattr(args[0], BATCH_INFO, None)
-        if info is not None:
-            return info
-    return batch_info(args, kwargs)
-
-
 def batch_info(*values: Any) -> BatchInfo | None:
     """The :class:`BatchInfo` a training batch's tensor among ``values`` carries (looked for
     in nested tuples, lists and dicts, first found wins), or None."""

@@ -92,14 +92,17 @@ class Look:
     """One micro-batch's loss seen by this process alone, before the processes agree (not
     changed once made)."""
 
-    step: int
-    ends_step: bool
     #: this process's non-finite flag, to agree on now, on its device (None: nothing to
     #: agree on); on the quiet path of one process, the kept losses themselves
     bad: torch.Tensor | None = None
     #: the losses looked at since the last agreement, this one included, kept for the
     #: micro-batch that agrees (None: none)
     kept: Kept | None = None
+
+
+#: a look that kept nothing and has nothing to agree on (one made at every step of one
+#: process on the CPU: shared)
+NOTHING_SEEN = Look()
 
 
 class NonFiniteCheck:
@@ -129,32 +132,32 @@ class NonFiniteCheck:
         ``deferred``: the verdict is read later, so a loss on a device is not read here
         either (one process on the CPU reads its loss at once: nothing to wait for)."""
         if self.policy == "off":
-            return Look(step, ends_step)
+            return NOTHING_SEEN
         if collective.world_size == 1 and self._kept is None and loss.is_cpu:
             # read at once: there is no device to wait for (tolist reads the number without
             # an operation of its own, where item makes one)
             value = loss.tolist()
             if isinstance(value, float) and math.isfinite(value):
-                return Look(step, ends_step)  # one process, a finite loss: nothing to agree on
+                return NOTHING_SEEN  # one process, a finite loss: nothing to agree on
         kept = Kept(step, loss.detach(), self._kept)
         if self.policy == "error" and not ends_step:
-            return Look(step, ends_step, kept=kept)
+            return Look(kept=kept)
         if local_only:
             first = kept.first_bad_step()
             if first > 0:
                 raise NonFiniteLossError(_message(str(collective.rank), first, self.policy))
-            return Look(step, ends_step)
+            return NOTHING_SEEN
         # one process reads its agreement on the host: the losses themselves
         bad = kept.losses() if deferred and collective.world_size == 1 else kept.flag()
-        return Look(step, ends_step, bad=bad, kept=kept)
+        return Look(bad=bad, kept=kept)
 
-    def pending(self, step: int, device: torch.device) -> Look:
+    def pending(self, device: torch.device) -> Look:
         """What this process kept since the last agreement, as the look of an agreement
         made now."""
         kept = self._kept
         if kept is None:
-            return Look(step, True, bad=torch.zeros((), dtype=torch.float64, device=device))
-        return Look(step, True, bad=kept.flag(), kept=kept)
+            return Look(bad=torch.zeros((), dtype=torch.float64, device=device))
+        return Look(bad=kept.flag(), kept=kept)
 
     def settle(self, look: Look, collective: Collective, bad: bool) -> bool:
         """After the processes agreed that ``bad`` (some process saw a non-finite loss):

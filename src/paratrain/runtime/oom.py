@@ -122,16 +122,15 @@ class MicroBatches:
 
     def __init__(self, mode: str = "off") -> None:
         self.mode = check_oom_mode(mode)
+        #: whether micro-batches are cut and redone on running out (``--oom auto``); a plain
+        #: attribute: every step asks
+        self.active = self.mode == "auto"
         #: pieces per micro-batch (a power of two); checkpoints remember it
         self.split = 1
         #: samples per process of a piece after the last halving (None: never halved)
         self.piece_samples: int | None = None
         #: the optimizer step (1-based) at which the micro-batch was last halved
         self.halved_at: int | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.mode == "auto"
 
     def failed_ranks(self, collective: Collective, failed: bool) -> list[int]:
         """After the step's agreement said that a process ran out of memory

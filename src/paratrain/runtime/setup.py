@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from paratrain.data.loaders import BatchInfo, DeviceLoader, inputs_info
+from paratrain.data.loaders import BATCH_INFO, BatchInfo, DeviceLoader, batch_info
 from paratrain.data.paths import setup_data_path
 from paratrain.data.pipeline_loader import PipelineLoader
 from paratrain.data.placement import check_inputs_on
@@ -159,7 +159,7 @@ class RuntimeSetup:
         if rt.precision.scaler is None and rt.state.accumulate == 1 and not skips:
             # left as it is; its steps still end a group a loop makes by hand (rt.save)
             state = rt.state
-            optimizer.register_step_post_hook(lambda *_: state.applied())
+            optimizer.register_step_post_hook(state.applied)
             return optimizer
         warn = warn_once_on_main(rt.strategy.collective.is_main)
         return RuntimeOptimizer(optimizer, rt.precision, rt.state, warn)  # type: ignore[return-value]
@@ -263,7 +263,10 @@ def step_forward(
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # a training forward: evaluation begins nothing
-            step.begin(inputs_info(args, kwargs))
+            # model(x), the common call: one look-up (this runs at every forward)
+            first = args[0] if args else None
+            info = getattr(first, BATCH_INFO, None) if isinstance(first, torch.Tensor) else None
+            step.begin(info if info is not None else batch_info(args, kwargs))
         try:
             if autocast is None:
                 return forward(*args, **kwargs)

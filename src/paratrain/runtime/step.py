@@ -38,7 +38,7 @@ from paratrain.data.loaders import BatchInfo, batch_info
 from paratrain.launching import faults, heartbeat
 from paratrain.runtime.agreement import Verdict
 from paratrain.runtime.determinism import naming_nondeterministic
-from paratrain.runtime.nonfinite import Look
+from paratrain.runtime.nonfinite import NOTHING_SEEN, Look
 from paratrain.runtime.oom import OutOfMemoryStop, Snapshot, batch_length, cut, test_hook
 from paratrain.runtime.parts import RuntimeParts
 from paratrain.utils.errors import PlacementError, UserError
@@ -131,18 +131,20 @@ class TrainingStep:
             )
         if loss.dim() != 0:
             raise PlacementError("rt.backward expects a scalar loss tensor")
-        with strategy.collective.operation("rt.backward"):  # the gradient all-reduce
-            self._after_forward(loss)
-
-    def _after_forward(self, loss: torch.Tensor) -> None:
-        """Stages 3 to 6 of a micro-batch whose loss is given."""
-        state = self.rt.state
+        # stages 3 to 6 of a micro-batch whose loss is given
+        rt = self.rt
+        state, micro_batches = rt.state, rt.micro_batches
         if not state.begun:  # no forward seen (a loss made without the model): the oldest batch
             self.begin(None)
         step = state.step + 1
-        loss = faults.at_step(self.rt.strategy.collective.rank, step, loss)
-        with heartbeat.waiting():  # the step's collectives: waits on the other ranks
-            if self._quiet:
+        loss = faults.at_step(strategy.collective.rank, step, loss)
+        # quiet: nothing must be decided before the backward, the agreement is read later (a
+        # non-finite loss stops the run at the next point that reads it, one step late at
+        # most, and before any checkpoint or the final weights are written)
+        quiet = rt.nonfinite.policy == "error" and not micro_batches.active
+        # the step's collectives (the gradient all-reduce): waits on the other ranks
+        with strategy.collective.operation("rt.backward"), heartbeat.waiting():
+            if quiet and not state.local_only:
                 admitted = self._send(loss, step)
             else:
                 look = self._look(loss, step)
@@ -154,10 +156,10 @@ class TrainingStep:
                 try:
                     self._backward(loss * scale if scale != 1.0 else loss)
                 except torch.OutOfMemoryError as exc:
-                    if not self.rt.micro_batches.active:
+                    if not micro_batches.active:
                         raise
                     raise OutOfMemoryStop(
-                        f"rank {self.rt.strategy.collective.rank} ran out of memory in the "
+                        f"rank {strategy.collective.rank} ran out of memory in the "
                         f"backward pass of step {step}: --oom auto redoes a micro-batch only "
                         "inside rt.forward_backward(model, loss_fn, x, y); use it instead of "
                         "rt.backward(loss)"
@@ -165,18 +167,6 @@ class TrainingStep:
         state.micro_batch_done()  # stage 6 (a skipped micro-batch too: on every rank alike)
 
     # -- stages 3 to 6 -----------------------------------------------------------------------
-    @property
-    def _quiet(self) -> bool:
-        """Nothing must be decided before the backward: the agreement is read later (a
-        non-finite loss stops the run at the next point that reads it, one step late at
-        most, and before any checkpoint or the final weights are written)."""
-        rt = self.rt
-        return (
-            rt.nonfinite.policy == "error"
-            and not rt.micro_batches.active
-            and not rt.state.local_only
-        )
-
     def _send(self, loss: torch.Tensor, step: int) -> bool:
         """Stages 3 and 4 on the quiet path: the agreement is sent, not waited for."""
         rt = self.rt
@@ -190,7 +180,8 @@ class TrainingStep:
         at_once = collective.world_size == 1 and loss.is_cpu
         agrees = at_once or (state.ends_group and self._due(step))
         look = nonfinite.look(loss, collective, step, agrees, deferred=True)
-        nonfinite.sent(look)
+        if look is not NOTHING_SEEN:  # nothing kept before it either: it changes nothing
+            nonfinite.sent(look)
         state.skipped = False
         if look.bad is not None:
             agreement.send(
@@ -222,7 +213,7 @@ class TrainingStep:
         state.agreement.settle(collective)
         if rt.nonfinite.policy == "off" or not state.agreement.behind(state.step):
             return
-        look = rt.nonfinite.pending(state.step, rt.strategy.root_device)
+        look = rt.nonfinite.pending(rt.strategy.root_device)
         here = f"checking the steps up to {state.step}"
         verdict = state.agreement.exchange(collective, state.step, here, bad=look.bad)
         rt.nonfinite.settle(look, collective, verdict.bad)

@@ -53,6 +53,9 @@ class StepState:
         self.group_skipped = False
         #: the micro-batch in hand: its loss weight, whether it ends the epoch
         self.batch: BatchInfo = PLAIN_BATCH
+        #: what the micro-batch's loss is multiplied by before its backward (its loss weight
+        #: over ``accumulate``), worked out when it begins
+        self.loss_scale = PLAIN_BATCH.loss_weight / accumulate
         #: the step's one small all-reduce (:mod:`paratrain.runtime.agreement`)
         self.agreement = StepAgreement()
         self.agreement.seconds = agreement_seconds
@@ -61,14 +64,14 @@ class StepState:
         #: whether the micro-batch in hand began (its first forward, or its backward)
         self.begun = False
         self._handed: deque[BatchInfo] = deque(maxlen=_REMEMBERED)
+        #: a loader hands a training batch out (:class:`~paratrain.data.loaders.BatchSink`):
+        #: remembered until it is used, at the cost of no call of ours
+        self.handed_out: Callable[[BatchInfo], None] = self._handed.append
         #: what settles the step's agreements (the step pipeline's settle), for epoch_done
         self.on_epoch_done: Callable[[], None] | None = None
         self._admitted = False  # some micro-batch of the group so far had its backward
 
-    # -- what loaders tell (paratrain.data.loaders.BatchSink) ---------------------------------
-    def handed_out(self, info: BatchInfo) -> None:
-        self._handed.append(info)
-
+    # -- what loaders tell (paratrain.data.loaders.BatchSink; handed_out above) --------------
     def epoch_done(self) -> None:
         """A loader's epoch ended: at the pace of ``agreement_seconds``, its last steps'
         checks are read now (a NaN raises at the end of the loop, not never)."""
@@ -79,7 +82,8 @@ class StepState:
         """A loader starts an epoch: what it handed out before and nobody used is gone."""
         if any(info.source == source for info in self._handed):
             kept = [info for info in self._handed if info.source != source]
-            self._handed = deque(kept, maxlen=_REMEMBERED)
+            self._handed.clear()  # the same deque: handed_out appends to it
+            self._handed.extend(kept)
 
     # -- the micro-batch ---------------------------------------------------------------------
     def begin(self, info: BatchInfo | None) -> bool:
@@ -96,6 +100,7 @@ class StepState:
         else:
             self._forget(info)
         self.batch = info
+        self.loss_scale = info.loss_weight / self.accumulate
         self.begun = True
         return True
 
@@ -111,16 +116,12 @@ class StepState:
         and the next ``optimizer.step()`` applies them)."""
         return self.micro_steps + 1 >= self.accumulate or self.batch.ends_epoch
 
-    @property
-    def loss_scale(self) -> float:
-        """What the micro-batch's loss is multiplied by before its backward."""
-        return self.batch.loss_weight / self.accumulate
-
     def micro_batch_done(self) -> None:
         """After the micro-batch's backward (a skipped one too: on every rank alike)."""
-        ends = self.ends_group
+        ends = self.micro_steps + 1 >= self.accumulate or self.batch.ends_epoch  # ends_group
         self.begun = False
         self.batch = PLAIN_BATCH
+        self.loss_scale = PLAIN_BATCH.loss_weight / self.accumulate
         self._admitted = self._admitted or not self.skipped
         self.unapplied += 1
         if ends:
@@ -131,8 +132,9 @@ class StepState:
             self.micro_steps += 1
             self.sync_gradients = ends
 
-    def applied(self) -> None:
-        """``optimizer.step()`` applied the group's gradients."""
+    def applied(self, *_: object) -> None:
+        """``optimizer.step()`` applied the group's gradients (a step post-hook of an
+        optimizer as the user built it: what the hook is given is not needed)."""
         self.micro_steps = 0
         self.unapplied = 0
         self.sync_gradients = self.accumulate == 1
