@@ -141,10 +141,10 @@ class TrainingStep:
         # quiet: nothing must be decided before the backward, the agreement is read later (a
         # non-finite loss stops the run at the next point that reads it, one step late at
         # most, and before any checkpoint or the final weights are written)
-        quiet = rt.nonfinite.policy == "error" and not micro_batches.active
+        quiet = rt.nonfinite.policy == "error" and not micro_batches.active and not state.local_only
         # the step's collectives (the gradient all-reduce): waits on the other ranks
         with strategy.collective.operation("rt.backward"), heartbeat.waiting():
-            if quiet and not state.local_only:
+            if quiet:
                 admitted = self._send(loss, step)
             else:
                 look = self._look(loss, step)
