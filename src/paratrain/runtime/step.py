@@ -38,7 +38,7 @@ from paratrain.data.loaders import BatchInfo, batch_info
 from paratrain.launching import faults, heartbeat
 from paratrain.runtime.agreement import Verdict
 from paratrain.runtime.determinism import naming_nondeterministic
-from paratrain.runtime.nonfinite import NOTHING_SEEN, Look
+from paratrain.runtime.nonfinite import Look
 from paratrain.runtime.oom import OutOfMemoryStop, Snapshot, batch_length, cut, test_hook
 from paratrain.runtime.parts import RuntimeParts
 from paratrain.utils.errors import PlacementError, UserError
@@ -180,8 +180,7 @@ class TrainingStep:
         at_once = collective.world_size == 1 and loss.is_cpu
         agrees = at_once or (state.ends_group and self._due(step))
         look = nonfinite.look(loss, collective, step, agrees, deferred=True)
-        if look is not NOTHING_SEEN:  # nothing kept before it either: it changes nothing
-            nonfinite.sent(look)
+        nonfinite.sent(look)
         state.skipped = False
         if look.bad is not None:
             agreement.send(

@@ -118,7 +118,7 @@ class StepState:
 
     def micro_batch_done(self) -> None:
         """After the micro-batch's backward (a skipped one too: on every rank alike)."""
-        ends = self.micro_steps + 1 >= self.accumulate or self.batch.ends_epoch  # ends_group
+        ends = self.ends_group
         self.begun = False
         self.batch = PLAIN_BATCH
         self.loss_scale = PLAIN_BATCH.loss_weight / self.accumulate
