@@ -209,22 +209,34 @@ def root_first(exc: Exception, reports: ReportFolder) -> Exception:
     cause. torchrun takes the failure it saw first, timed to the second, ties to the lowest
     rank: a process that failed because a peer died is often seen in the same look as that
     peer. The ranks' own reports are timed finer: the earliest is the cause, unless a rank
-    failed without one (killed by a signal), which then is."""
+    failed without one (killed by a signal), which then is; a rank the agent itself ended
+    is not (see :func:`torn_down`)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not isinstance(exc, ChildFailedError) or not exc.failures:
         return exc
     failures = exc.failures
     reported = {f.rank: f.at for f in reports.failures()}
-    silent = [rank for rank in failures if rank not in reported]
+    torn = torn_down({rank: f.exitcode for rank, f in failures.items()})
+    causes = [rank for rank in failures if rank not in torn]
+    silent = [rank for rank in causes if rank not in reported]
     if silent:
         root = min(silent, key=lambda rank: (failures[rank].timestamp, rank))
     else:
-        root = min(failures, key=lambda rank: (reported[rank], rank))
+        root = min(causes, key=lambda rank: (reported[rank], rank))
     first = failures[root]
     first.timestamp = min(f.timestamp for f in failures.values())
     ordered = {root: first, **{r: f for r, f in failures.items() if r != root}}
     return ChildFailedError(exc.name, ordered)
+
+
+def torn_down(exit_codes: dict[int, int]) -> set[int]:
+    """The ranks torchrun's agent ended itself. Once a rank fails, the agent sends the
+    others SIGTERM and records them as failed in the same look: a rank that died of SIGTERM
+    while another failed otherwise is not a cause. Where every rank died of SIGTERM, none
+    is told apart."""
+    torn = {rank for rank, code in exit_codes.items() if code == -signal.SIGTERM}
+    return torn if len(torn) < len(exit_codes) else set()
 
 
 def stopped_on_signal(tmp: Path, signum: int) -> BaseException:
@@ -263,8 +275,8 @@ def _second_interrupt_kills(tmp: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def _first_exits_recorded(tmp: Path) -> Iterator[None]:
     """The agent's first look that finds failed processes, recorded per attempt: the ranks
-    that failed then are the cause; the ones it tears down next fail after them, some
-    without a report of their own (see :func:`previous_failure`)."""
+    that failed then are the cause, but for the ones it tore down in that same look, some
+    without a report of their own (see :func:`torn_down` and :func:`previous_failure`)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     original = LocalElasticAgent._monitor_workers
@@ -299,7 +311,8 @@ def previous_failure(tmp: Path, attempt: int, world_size: int) -> str:
     it in the report folder: of the ranks the agent saw fail first (all, when it did not
     record them), one that died without a word (killed), else the first that raised."""
     reports = ReportFolder(tmp)
-    first = set(reports.first_exits(attempt)) or set(reports.started_pids(attempt))
+    exits = reports.first_exits(attempt)
+    first = (set(exits) - torn_down(exits)) or set(reports.started_pids(attempt))
     raised = [f for f in reports.failures(attempt) if f.kind == "crash"]
     first_raised = [f for f in raised if f.rank in first]
     raised = first_raised or raised

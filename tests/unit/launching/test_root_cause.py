@@ -90,3 +90,32 @@ def test_without_the_agents_record_a_silent_rank_is_named(tmp_path: Path) -> Non
     reports.started(0, 1, 4001)
     reports.failed(0, 0, "crash", "Traceback\nRuntimeError: Connection closed by peer")
     assert previous_failure(tmp_path, 0, 4).startswith("rank 1 died")
+
+
+def test_a_rank_the_agent_ended_with_sigterm_is_not_the_cause(tmp_path: Path) -> None:
+    """Rank 1 raised; the agent then sent rank 0 SIGTERM, which ended it before it said
+    anything, and recorded both in the same look (seen in a test suite under load)."""
+    reports = ReportFolder(tmp_path)
+    reports.failed(0, 1, "crash", "ValueError: boom on rank one")
+    seen = {0: _seen(0, -15, tmp_path), 1: _seen(1, 1, tmp_path)}
+    named = root_first(ChildFailedError("fails.py", seen), reports)
+    assert isinstance(named, ChildFailedError)
+    assert named.get_first_failure()[0] == 1
+    assert set(named.failures) == {0, 1}
+
+
+def test_ranks_that_all_died_of_sigterm_are_still_named(tmp_path: Path) -> None:
+    seen = {0: _seen(0, -15, tmp_path), 1: _seen(1, -15, tmp_path, at=999)}
+    named = root_first(ChildFailedError("train", seen), ReportFolder(tmp_path))
+    assert isinstance(named, ChildFailedError) and named.get_first_failure()[0] == 1
+
+
+def test_the_restart_note_names_the_rank_that_raised_not_the_one_the_agent_ended(
+    tmp_path: Path,
+) -> None:
+    reports = ReportFolder(tmp_path)
+    reports.started(0, 0, 4000)
+    reports.started(0, 1, 4001)
+    reports.failed(0, 1, "crash", "Traceback\nValueError: boom on rank one")
+    reports.exited(0, {0: -15, 1: 1})  # the agent's first look, its teardown included
+    assert previous_failure(tmp_path, 0, 2) == "rank 1 failed (ValueError: boom on rank one)"
